@@ -1,0 +1,40 @@
+"""Classification cross-entropy: summed over samples, logs accuracy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetfair.criteria import register_criterion
+from hetfair.criteria.criterion import HetfairCriterion, LoggingOutput
+
+
+@register_criterion("cross_entropy")
+class CrossEntropyCriterion(HetfairCriterion):
+    """``loss = sum_i -log p(target_i)``; ``sample_size`` = number of samples."""
+
+    def forward(self, model: nn.Module, sample: dict[str, Any]) -> tuple[torch.Tensor, int, LoggingOutput]:
+        logits = model(**sample["net_input"])
+        target = sample["target"]
+        loss = F.cross_entropy(logits, target, reduction="sum")
+        correct = (logits.argmax(dim=-1) == target).sum()
+        sample_size = int(target.numel())
+        logging_output = {
+            "loss": float(loss.detach()),
+            "correct": float(correct),
+            "sample_size": float(sample_size),
+            "nsentences": float(sample["nsentences"]),
+            "ntokens": float(sample["ntokens"]),
+        }
+        return loss, sample_size, logging_output
+
+    @staticmethod
+    def reduce_metrics(logs: LoggingOutput) -> dict[str, float]:
+        sample_size = max(logs.get("sample_size", 0.0), 1.0)
+        return {
+            "loss": logs.get("loss", 0.0) / sample_size,
+            "accuracy": 100.0 * logs.get("correct", 0.0) / sample_size,
+        }

@@ -1,0 +1,45 @@
+"""Error types for mistakes a user can fix.
+
+Every error raised for bad input derives from :class:`HetfairError`; the
+command-line entry points print its message on one line and exit with code 2
+instead of showing a traceback (set ``HETFAIR_DEBUG=1`` or pass ``--debug`` to
+see it).
+"""
+
+
+class HetfairError(Exception):
+    """Base class of all errors caused by user input or environment."""
+
+    exit_code = 2
+
+
+class ComponentNotKnownError(HetfairError):
+    """A task/model/arch/criterion/optimizer/lr_scheduler name is not registered."""
+
+
+class DuplicateComponentError(HetfairError):
+    """Two definitions claim the same registry name."""
+
+
+class ComponentTypeError(HetfairError):
+    """A registered class does not derive from the registry's base class."""
+
+
+class PluginLoadError(HetfairError):
+    """A plugin (entry point or user dir) failed to import."""
+
+
+class ConfigError(HetfairError):
+    """Inconsistent or invalid options."""
+
+
+class DataError(HetfairError):
+    """Missing, corrupt or unreadable data."""
+
+
+class CheckpointError(HetfairError):
+    """A checkpoint is missing, corrupt or incompatible with the model."""
+
+
+class DistributedError(HetfairError):
+    """Rendezvous failed, ranks disagree, or a rank died or timed out."""

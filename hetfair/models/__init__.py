@@ -1,0 +1,67 @@
+"""Model and architecture registries.
+
+An *architecture* is a named preset of a model's hyper-parameters: a function
+returning a dict of option defaults, registered with
+``@register_model_architecture(model_name, arch_name)`` and chosen with
+``--arch``. Every model name is also usable as ``--arch`` (its own defaults).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from hetfair.errors import ComponentNotKnownError, ConfigError
+from hetfair.models.model import HetfairModel
+from hetfair.registry import Registry
+
+ArchFunction = Callable[[], dict[str, Any]]
+
+MODEL_REGISTRY: Registry[type[HetfairModel]] = Registry(
+    "model", HetfairModel, entry_point_group="hetfair.models", builtin_modules=[]
+)
+ARCH_REGISTRY: Registry[ArchFunction] = Registry("arch", None)
+_ARCH_MODEL: dict[str, str] = {}
+
+register_model = MODEL_REGISTRY.register
+
+
+def register_model_architecture(model_name: str, arch_name: str) -> Callable[[ArchFunction], ArchFunction]:
+    """Register ``fn() -> dict`` as architecture ``arch_name`` of model ``model_name``."""
+
+    def decorator(fn: ArchFunction) -> ArchFunction:
+        ARCH_REGISTRY.add(arch_name, fn)
+        _ARCH_MODEL[arch_name] = model_name
+        return fn
+
+    return decorator
+
+
+def arch_names() -> list[str]:
+    """Architecture names plus every model name (a model is its own default arch)."""
+    return sorted(set(ARCH_REGISTRY.names()) | set(MODEL_REGISTRY.names()))
+
+
+def resolve_arch(arch: str) -> tuple[str, dict[str, Any]]:
+    """``--arch`` value -> (model name, option defaults of that architecture)."""
+    if arch not in ARCH_REGISTRY.names():
+        if arch not in MODEL_REGISTRY.names():
+            raise ComponentNotKnownError(f"unknown arch '{arch}'; known archs: {', '.join(arch_names())}")
+        MODEL_REGISTRY.get(arch)  # importing a plugin model may register its archs
+        if arch not in ARCH_REGISTRY.names():
+            return arch, {}
+    model_name = _ARCH_MODEL[arch]
+    defaults = ARCH_REGISTRY.get(arch)()
+    if not isinstance(defaults, dict):
+        raise ConfigError(f"architecture '{arch}' must return a dict of option defaults, got {type(defaults).__name__}")
+    return model_name, defaults
+
+
+__all__ = [
+    "HetfairModel",
+    "MODEL_REGISTRY",
+    "ARCH_REGISTRY",
+    "register_model",
+    "register_model_architecture",
+    "arch_names",
+    "resolve_arch",
+]

@@ -1,0 +1,1 @@
+"""Built-in learning-rate schedulers; the registry lives in :mod:`hetfair.optim`."""

@@ -1,0 +1,225 @@
+"""Command-line options, built in passes like fairseq.
+
+1. read ``--user-dir`` and import it, so its components are registered;
+2. read ``--task`` and apply the task's defaults for core options (including
+   which criterion / arch / optimizer / lr scheduler it uses by default);
+3. add the flags of the chosen components and the defaults of ``--arch``,
+   then parse everything for real.
+
+Library code never reads ``sys.argv``: the console scripts pass ``argv`` in.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Sequence
+
+from hetfair.criteria import CRITERION_REGISTRY
+from hetfair.errors import ConfigError
+from hetfair.models import MODEL_REGISTRY, arch_names, resolve_arch
+from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
+from hetfair.plugins import import_user_dir
+from hetfair.tasks import TASK_REGISTRY
+
+LOG_FORMATS = ("tqdm", "simple", "json", "none")
+
+
+def _known(registry_names: list[str]) -> str:
+    return ", ".join(registry_names) or "(none)"
+
+
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("common")
+    group.add_argument("--user-dir", metavar="DIR", help="import DIR as a Python package of plugins")
+    group.add_argument("--list-plugins", action="store_true",
+                       help="list every registered component and where it comes from, then exit")
+    group.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    group.add_argument("--seed", type=int, default=1, help="random seed (data order, init, masking)")
+    group.add_argument("--cpu", action="store_true", help="train on CPU even when a GPU is present")
+    group.add_argument("--log-interval", type=int, default=100, metavar="N", help="log every N updates")
+    group.add_argument("--log-format", choices=LOG_FORMATS, default=None,
+                       help="progress output (default: tqdm on a terminal, simple otherwise)")
+    group.add_argument("--tensorboard-logdir", metavar="DIR", help="write TensorBoard scalars to DIR")
+
+
+def add_component_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("components")
+    group.add_argument("--task", metavar="NAME", help=f"task to train; one of: {_known(TASK_REGISTRY.names())}")
+    group.add_argument("--arch", "-a", metavar="NAME",
+                       help=f"model architecture (default: the task's); one of: {_known(arch_names())}")
+    group.add_argument("--criterion", metavar="NAME", default="cross_entropy",
+                       help=f"training criterion; one of: {_known(CRITERION_REGISTRY.names())}")
+    group.add_argument("--optimizer", metavar="NAME", default="adam",
+                       help=f"optimizer; one of: {_known(OPTIMIZER_REGISTRY.names())}")
+    group.add_argument("--lr-scheduler", metavar="NAME", default="fixed",
+                       help=f"learning-rate schedule; one of: {_known(LR_SCHEDULER_REGISTRY.names())}")
+
+
+def add_dataset_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("dataset and batching")
+    group.add_argument("--data", metavar="DIR", help="data directory of the task")
+    group.add_argument("--max-sentences", "--batch-size", type=int, metavar="N", dest="max_sentences",
+                       help="samples per process and micro-batch (may differ between nodes)")
+    group.add_argument("--max-tokens", type=int, metavar="N",
+                       help="tokens per process and micro-batch (may differ between nodes)")
+    group.add_argument("--max-sentences-valid", type=int, metavar="N",
+                       help="validation samples per process (default: --max-sentences)")
+    group.add_argument("--train-subset", default="train", metavar="SPLIT", help="split to train on")
+    group.add_argument("--valid-subset", default="valid", metavar="SPLITS",
+                       help="comma-separated splits to validate on")
+    group.add_argument("--disable-validation", action="store_true", help="do not validate")
+    group.add_argument("--validate-interval", type=int, default=1, metavar="N", help="validate every N epochs")
+    group.add_argument("--validate-interval-updates", type=int, default=0, metavar="N",
+                       help="also validate every N updates (0: off)")
+    group.add_argument("--num-workers", type=int, default=0, metavar="N", help="DataLoader worker processes")
+
+
+def add_optimization_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("optimization")
+    group.add_argument("--max-epoch", type=int, default=0, metavar="N", help="stop after N epochs (0: no limit)")
+    group.add_argument("--max-update", type=int, default=0, metavar="N", help="stop after N updates (0: no limit)")
+    group.add_argument("--update-freq", type=int, default=1, metavar="N",
+                       help="accumulate N micro-batches per update (gradient sync on the last only)")
+    group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
+    group.add_argument("--weight-decay", "--wd", type=float, default=0.0, help="weight decay")
+    group.add_argument("--clip-norm", type=float, default=0.0, metavar="NORM",
+                       help="clip gradients to this global norm (0: off)")
+    group.add_argument("--warmup-updates", type=int, default=0, metavar="N",
+                       help="linear learning-rate warm-up over N updates (every scheduler)")
+
+
+def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("checkpoints")
+    group.add_argument("--save-dir", default="checkpoints", metavar="DIR", help="where checkpoints go")
+    group.add_argument("--restore-file", default="checkpoint_last.pt", metavar="FILE",
+                       help="checkpoint to resume from (relative to --save-dir unless absolute)")
+    group.add_argument("--no-save", action="store_true", help="write no checkpoints")
+    group.add_argument("--save-interval", type=int, default=1, metavar="N", help="save every N epochs")
+    group.add_argument("--save-interval-updates", type=int, default=0, metavar="N",
+                       help="also save every N updates (0: off)")
+    group.add_argument("--keep-interval-updates", type=int, default=-1, metavar="N",
+                       help="keep only the last N update checkpoints (-1: all)")
+    group.add_argument("--keep-last-epochs", type=int, default=-1, metavar="N",
+                       help="keep only the last N epoch checkpoints (-1: all)")
+    group.add_argument("--no-epoch-checkpoints", action="store_true", help="only keep last and best")
+    group.add_argument("--best-checkpoint-metric", default="loss", metavar="METRIC",
+                       help="validation metric that picks checkpoint_best.pt")
+    group.add_argument("--maximize-best-checkpoint-metric", action="store_true",
+                       help="larger values of --best-checkpoint-metric are better")
+    group.add_argument("--reset-optimizer", action="store_true",
+                       help="when resuming, load the model but start optimizer and schedule afresh")
+
+
+def add_distributed_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("distributed training")
+    group.add_argument("--distributed-world-size", type=int, default=1, metavar="N",
+                       help="total number of processes in the job")
+    group.add_argument("--distributed-init-method", metavar="URL",
+                       help="rendezvous: tcp://HOST:PORT, file:///shared/path or env://")
+    group.add_argument("--distributed-rank", type=int, default=0, metavar="R",
+                       help="global rank of the first process this command starts")
+    group.add_argument("--distributed-gpus", type=int, metavar="N",
+                       help="processes this command starts on this node (default: all of the world on one node)")
+    group.add_argument("--device-id", "--local_rank", type=int, default=0, dest="device_id", metavar="ID",
+                       help="first GPU this command uses")
+    group.add_argument("--distributed-backend", choices=("nccl", "gloo"),
+                       help="collective backend (default: nccl on GPUs, gloo on CPU)")
+    group.add_argument("--distributed-port", type=int, default=0, metavar="PORT",
+                       help="port for SLURM rendezvous")
+    group.add_argument("--distributed-timeout", type=float, default=600.0, metavar="SECONDS",
+                       help="give up when a rank is lost or a collective stalls this long")
+    group.add_argument("--fast-stat-sync", action="store_true",
+                       help="accepted for HetSeq compatibility: stats are always synced in one "
+                            "all-reduce when they can be summed")
+    group.add_argument("--find-unused-parameters", action="store_true",
+                       help="let DDP handle parameters that get no gradient")
+
+
+def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
+    """The core parser, without any component's own flags."""
+    parser = argparse.ArgumentParser(
+        prog="hetfair-train",
+        description="Train a model with hetfair on one or many (heterogeneous) processes.",
+        add_help=add_help,
+        allow_abbrev=False,
+    )
+    for add in (add_common_args, add_component_args, add_dataset_args, add_optimization_args,
+                add_checkpoint_args, add_distributed_args):
+        add(parser)
+    return parser
+
+
+def _set_defaults(parser: argparse.ArgumentParser, defaults: dict[str, Any], owner: str) -> None:
+    dests = {action.dest for action in parser._actions}
+    unknown = sorted(set(defaults) - dests)
+    if unknown:
+        raise ConfigError(f"{owner} sets defaults for unknown options: {', '.join(unknown)}")
+    parser.set_defaults(**defaults)
+
+
+def _add_component_flags(parser: argparse.ArgumentParser, title: str, component: Any) -> None:
+    group = parser.add_argument_group(title)
+    try:
+        component.add_args(group)
+    except argparse.ArgumentError as exc:
+        raise ConfigError(f"{title} declares a flag that clashes with another option: {exc}") from exc
+
+
+def parse_train_args(argv: Sequence[str]) -> argparse.Namespace:
+    """Parse ``hetfair-train`` arguments, importing ``--user-dir`` first."""
+    argv = list(argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--user-dir")
+    user_dir = pre.parse_known_args(argv)[0].user_dir
+    if user_dir:
+        import_user_dir(user_dir)
+
+    probe = build_parser(add_help=False)
+    early, _ = probe.parse_known_args(argv)
+    parser = build_parser(add_help=True)
+    if early.list_plugins or early.task is None:
+        args = parser.parse_args(argv)
+        if not args.list_plugins:
+            parser.error(f"--task is required; known tasks: {_known(TASK_REGISTRY.names())}")
+        return args
+
+    task_cls = TASK_REGISTRY.get(early.task)
+    _set_defaults(probe, task_cls.option_defaults, f"task '{early.task}'")
+    chosen, _ = probe.parse_known_args(argv)
+    if chosen.arch is None:
+        raise ConfigError(f"task '{early.task}' has no default --arch; choose one of: {_known(arch_names())}")
+    model_name, arch_defaults = resolve_arch(chosen.arch)
+
+    _set_defaults(parser, task_cls.option_defaults, f"task '{early.task}'")
+    _add_component_flags(parser, f"task '{early.task}'", task_cls)
+    _add_component_flags(parser, f"model '{model_name}'", MODEL_REGISTRY.get(model_name))
+    _add_component_flags(parser, f"criterion '{chosen.criterion}'", CRITERION_REGISTRY.get(chosen.criterion))
+    _add_component_flags(parser, f"optimizer '{chosen.optimizer}'", OPTIMIZER_REGISTRY.get(chosen.optimizer))
+    _add_component_flags(parser, f"lr scheduler '{chosen.lr_scheduler}'",
+                         LR_SCHEDULER_REGISTRY.get(chosen.lr_scheduler))
+    _set_defaults(parser, arch_defaults, f"architecture '{chosen.arch}'")
+    args = parser.parse_args(argv)
+    args.model = model_name
+    validate_args(args)
+    return args
+
+
+def validate_args(args: argparse.Namespace) -> None:
+    """Cross-option checks that argparse cannot express."""
+    if args.max_sentences is None and args.max_tokens is None:
+        raise ConfigError("give a batch size: --max-sentences N (samples per process) or --max-tokens N")
+    for name in ("max_sentences", "max_tokens", "update_freq", "distributed_world_size"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+
+
+def plain_config(args: argparse.Namespace) -> dict[str, Any]:
+    """The options as plain data (numbers, strings, lists), safe to store in checkpoints."""
+    plain: dict[str, Any] = {}
+    for key, value in vars(args).items():
+        if value is None or isinstance(value, (bool, int, float, str)):
+            plain[key] = value
+        elif isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):
+            plain[key] = list(value)
+    return plain

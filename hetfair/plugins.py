@@ -1,0 +1,131 @@
+"""Plugin discovery: installed entry points and ``--user-dir`` packages.
+
+Entry points are *listed* through :mod:`importlib.metadata` without importing
+any plugin code; a plugin is imported only when its name is chosen.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+from hetfair.errors import PluginLoadError
+
+
+@dataclass(frozen=True)
+class PluginEntryPoint:
+    """One ``name = module[:attr]`` line of an installed distribution's entry points."""
+
+    group: str
+    name: str
+    value: str
+    distribution: str
+    version: str
+    _entry_point: metadata.EntryPoint
+
+    @property
+    def module(self) -> str:
+        return self.value.split(":", 1)[0].strip()
+
+    def describe(self) -> str:
+        return f"distribution '{self.distribution}' {self.version} (entry point {self.name} = {self.value})"
+
+    def load(self) -> Any:
+        """Import the plugin; any failure becomes one :class:`PluginLoadError` line."""
+        try:
+            return self._entry_point.load()
+        except Exception as exc:  # noqa: BLE001 - any plugin failure must be reported, not crash listing
+            raise PluginLoadError(
+                f"plugin '{self.name}' from {self.describe()} failed to import: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+
+def discover_entry_points(group: str) -> list[PluginEntryPoint]:
+    """All entry points of ``group`` across installed distributions (no imports)."""
+    found = []
+    for ep in metadata.entry_points(group=group):
+        dist = ep.dist
+        found.append(
+            PluginEntryPoint(
+                group=group,
+                name=ep.name,
+                value=ep.value,
+                distribution=dist.metadata["Name"] if dist is not None else "<unknown>",
+                version=dist.version if dist is not None else "",
+                _entry_point=ep,
+            )
+        )
+    return found
+
+
+def import_user_dir(user_dir: str | Path) -> ModuleType:
+    """Import ``user_dir`` as a package named after the directory.
+
+    Importing the same directory again returns the module already imported, so
+    this is safe to call in every spawned worker. A directory whose name clashes
+    with another importable module is refused rather than shadowing it.
+    """
+    path = Path(user_dir).expanduser().resolve()
+    if not path.is_dir():
+        raise PluginLoadError(f"--user-dir {user_dir}: no such directory")
+    init_file = path / "__init__.py"
+    if not init_file.is_file():
+        raise PluginLoadError(
+            f"--user-dir {user_dir} is not a Python package: add an __init__.py that imports your plugin modules"
+        )
+    name = path.name
+    if not name.isidentifier():
+        raise PluginLoadError(
+            f"--user-dir {user_dir}: '{name}' is not a valid Python package name; rename the directory"
+        )
+    existing = sys.modules.get(name)
+    if existing is not None:
+        if _module_dir(existing) == path:
+            return existing
+        raise PluginLoadError(
+            f"--user-dir {user_dir}: a module named '{name}' is already imported from {_module_dir(existing)}; "
+            f"rename your plugin directory"
+        )
+    installed = importlib.util.find_spec(name)
+    if installed is not None and _spec_dir(installed) != path:
+        raise PluginLoadError(
+            f"--user-dir {user_dir}: the name '{name}' clashes with the installed module at "
+            f"{_spec_dir(installed)}; rename your plugin directory"
+        )
+    spec = importlib.util.spec_from_file_location(name, init_file, submodule_search_locations=[str(path)])
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:  # noqa: BLE001 - report any plugin failure on one line
+        for loaded in [m for m in sys.modules if m == name or m.startswith(name + ".")]:
+            del sys.modules[loaded]
+        if isinstance(exc, PluginLoadError):
+            raise
+        raise PluginLoadError(
+            f"--user-dir {user_dir}: importing package '{name}' failed: {type(exc).__name__}: {exc}"
+        ) from exc
+    return module
+
+
+def _module_dir(module: ModuleType) -> Path | None:
+    file = getattr(module, "__file__", None)
+    if file is None:
+        paths = list(getattr(module, "__path__", []))
+        return Path(paths[0]).resolve() if paths else None
+    return Path(file).resolve().parent
+
+
+def _spec_dir(spec: importlib.machinery.ModuleSpec) -> Path | None:
+    if spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0]).resolve()
+    if spec.origin and spec.origin not in ("built-in", "frozen"):
+        return Path(spec.origin).resolve().parent
+    return None

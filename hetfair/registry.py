@@ -1,0 +1,173 @@
+"""One generic registry used for every kind of pluggable component.
+
+A name can come from three places, all going through :meth:`Registry.register`:
+built-in modules of hetfair, a ``--user-dir`` package, or an entry point of an
+installed distribution. Entry points are listed without importing them and
+loaded only when their name is requested.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Callable, Generic, Iterable, TypeVar
+
+from hetfair.errors import (
+    ComponentNotKnownError,
+    ComponentTypeError,
+    DuplicateComponentError,
+    PluginLoadError,
+)
+from hetfair.plugins import PluginEntryPoint, discover_entry_points
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Registration:
+    """Where a registered object was defined."""
+
+    obj: object
+    module: str
+    qualname: str
+
+    @property
+    def origin(self) -> str:
+        return f"{self.module}.{self.qualname}"
+
+
+def _origin_of(obj: object) -> tuple[str, str]:
+    return getattr(obj, "__module__", "?"), getattr(obj, "__qualname__", repr(obj))
+
+
+class Registry(Generic[T]):
+    """Name -> component mapping for one kind (task, model, criterion, ...).
+
+    Args:
+        kind: human name used in messages, e.g. ``"task"``.
+        base_class: registered classes must derive from it (``None``: any callable).
+        entry_point_group: ``importlib.metadata`` group scanned for plugins, or ``None``.
+        builtin_modules: hetfair modules imported on first use to register built-ins.
+    """
+
+    def __init__(
+        self,
+        kind: str,
+        base_class: type | None,
+        entry_point_group: str | None = None,
+        builtin_modules: Iterable[str] = (),
+    ) -> None:
+        self.kind = kind
+        self.base_class = base_class
+        self.entry_point_group = entry_point_group
+        self._builtin_modules = tuple(builtin_modules)
+        self._builtins_imported = False
+        self._entries: dict[str, Registration] = {}
+        self._loaded_entry_points: set[str] = set()
+
+    # -- registration -------------------------------------------------------
+    def register(self, name: str) -> Callable[[T], T]:
+        """Decorator registering a class (or, without base class, a callable) as ``name``."""
+
+        def decorator(obj: T) -> T:
+            self.add(name, obj)
+            return obj
+
+        return decorator
+
+    def add(self, name: str, obj: T) -> None:
+        """Register ``obj`` as ``name``; a different earlier definition is an error."""
+        if self.base_class is not None:
+            if not (isinstance(obj, type) and issubclass(obj, self.base_class)):
+                module, qualname = _origin_of(obj)
+                raise ComponentTypeError(
+                    f"cannot register {self.kind} '{name}': {module}.{qualname} must be a subclass of "
+                    f"{self.base_class.__module__}.{self.base_class.__qualname__}"
+                )
+        elif not callable(obj):
+            raise ComponentTypeError(f"cannot register {self.kind} '{name}': {obj!r} is not callable")
+        module, qualname = _origin_of(obj)
+        new = Registration(obj, module, qualname)
+        old = self._entries.get(name)
+        # The same definition seen again (a module imported twice, e.g. a user dir
+        # re-imported in a worker) replaces itself; anything else is a real clash.
+        if old is not None and old.origin != new.origin:
+            raise DuplicateComponentError(
+                f"{self.kind} '{name}' is defined twice: by {old.origin} and by {new.origin}; rename one of them"
+            )
+        self._entries[name] = new
+
+    # -- lookup --------------------------------------------------------------
+    def names(self) -> list[str]:
+        """Every known name: built-ins, imported plugins and (unimported) entry points."""
+        self._import_builtins()
+        return sorted(set(self._entries) | {ep.name for ep in self._entry_points()})
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.names()
+
+    def get(self, name: str) -> T:
+        """The component registered as ``name``, importing its plugin if needed."""
+        self._import_builtins()
+        candidates = [ep for ep in self._entry_points() if ep.name == name]
+        if len(candidates) > 1:
+            raise DuplicateComponentError(
+                f"{self.kind} '{name}' is provided by several plugins: "
+                + " and ".join(ep.describe() for ep in candidates)
+                + "; uninstall one of them"
+            )
+        entry_point = candidates[0] if candidates else None
+        registered = self._entries.get(name)
+        if registered is not None:
+            if entry_point is not None and not _defined_by(entry_point, registered):
+                raise DuplicateComponentError(
+                    f"{self.kind} '{name}' is defined twice: by {registered.origin} and by "
+                    f"{entry_point.describe()}; rename one of them"
+                )
+            return registered.obj  # type: ignore[return-value]
+        if entry_point is None:
+            raise ComponentNotKnownError(
+                f"unknown {self.kind} '{name}'; known {self.kind}s: {', '.join(self.names()) or '(none)'}"
+            )
+        return self._load_entry_point(entry_point)
+
+    def source(self, name: str) -> str:
+        """Where ``name`` comes from, for ``--list-plugins`` (never imports plugins)."""
+        self._import_builtins()
+        for ep in self._entry_points():
+            if ep.name == name:
+                return ep.describe()
+        registration = self._entries[name]
+        where = "built-in" if registration.module.startswith("hetfair.") else "user code"
+        return f"{where} ({registration.origin})"
+
+    # -- internals -------------------------------------------------------------
+    def _import_builtins(self) -> None:
+        if self._builtins_imported:
+            return
+        self._builtins_imported = True
+        for module in self._builtin_modules:
+            importlib.import_module(module)
+
+    def _entry_points(self) -> list[PluginEntryPoint]:
+        if self.entry_point_group is None:
+            return []
+        return discover_entry_points(self.entry_point_group)
+
+    def _load_entry_point(self, entry_point: PluginEntryPoint) -> T:
+        loaded = entry_point.load()
+        if entry_point.name not in self._entries and isinstance(loaded, type):
+            self.add(entry_point.name, loaded)  # type: ignore[arg-type]
+        if entry_point.name not in self._entries:
+            raise PluginLoadError(
+                f"plugin {entry_point.describe()} was imported but did not register a {self.kind} "
+                f"named '{entry_point.name}'"
+            )
+        self._loaded_entry_points.add(entry_point.name)
+        return self._entries[entry_point.name].obj  # type: ignore[return-value]
+
+
+def _defined_by(entry_point: PluginEntryPoint, registration: Registration) -> bool:
+    """True when the registered object comes from the entry point's own package."""
+    package = entry_point.module.split(".")[0]
+    return registration.module == package or registration.module.startswith(package + ".")

@@ -1,0 +1,1 @@
+"""Console scripts of hetfair: thin mains around the library."""
