@@ -43,3 +43,7 @@ class CheckpointError(HetfairError):
 
 class DistributedError(HetfairError):
     """Rendezvous failed, ranks disagree, or a rank died or timed out."""
+
+
+class DivergenceError(HetfairError):
+    """Training produced non-finite gradients."""

@@ -20,7 +20,8 @@ class HetfairCriterion(nn.Module):
     Contract: :meth:`forward` returns ``(loss, sample_size, logging_output)`` where
     ``loss`` is a **sum** over the batch's units (samples, tokens, masked tokens),
     ``sample_size`` is the number of those units, and ``logging_output`` is a flat
-    dict of numbers that can be summed across ranks and micro-batches.
+    dict of numbers that can be summed across ranks and micro-batches (the
+    trainer adds the summed ``sample_size`` to it under that key).
     :meth:`reduce_metrics` turns such summed logs into reported metrics.
     """
 

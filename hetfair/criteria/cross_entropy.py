@@ -25,7 +25,6 @@ class CrossEntropyCriterion(HetfairCriterion):
         logging_output = {
             "loss": float(loss.detach()),
             "correct": float(correct),
-            "sample_size": float(sample_size),
             "nsentences": float(sample["nsentences"]),
             "ntokens": float(sample["ntokens"]),
         }

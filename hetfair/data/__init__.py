@@ -1,0 +1,1 @@
+"""Datasets, batch plans and per-rank batch iteration."""

@@ -1,0 +1,99 @@
+"""Per-rank batch plans: one global batch sequence, split among ranks by share.
+
+The sequence of *global* batches depends only on the seed, the epoch and the
+global batch size; how each global batch is split among ranks depends only on
+the per-rank capacities and shares, which every rank knows. So all ranks agree
+on the plan without communicating and run the same number of steps per epoch.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+
+def split_counts(total: int, shares: Sequence[float], caps: Sequence[int]) -> list[int]:
+    """Split ``total`` items among ranks in proportion to ``shares``, never above ``caps``.
+
+    Water-filling: ranks whose proportional part would exceed their cap get the
+    cap and the rest is re-split among the others; fractional parts are then
+    rounded by largest remainder (ties to the lower rank), so the result is
+    deterministic and sums to ``total``.
+    """
+    if total > sum(caps):
+        raise ValueError(f"cannot split {total} items among ranks with capacities {list(caps)}")
+    if any(s < 0 for s in shares) or len(shares) != len(caps):
+        raise ValueError(f"invalid shares {list(shares)} for capacities {list(caps)}")
+    capped: set[int] = set()
+    ideal = [0.0] * len(caps)
+    while True:
+        free = [r for r in range(len(caps)) if r not in capped and caps[r] > 0]
+        left = total - sum(caps[r] for r in capped)
+        weight = sum(shares[r] for r in free)
+        for r in free:
+            ideal[r] = left * shares[r] / weight if weight > 0 else left * caps[r] / sum(caps[f] for f in free)
+        over = [r for r in free if ideal[r] > caps[r]]
+        if not over:
+            break
+        for r in over:
+            capped.add(r)
+            ideal[r] = float(caps[r])
+    counts = [min(int(math.floor(x + 1e-9)), caps[r]) for r, x in enumerate(ideal)]
+    order = sorted(range(len(caps)), key=lambda r: (-(ideal[r] - counts[r]), r))
+    missing = total - sum(counts)
+    while missing > 0:
+        for r in order:
+            if missing and counts[r] < caps[r]:
+                counts[r] += 1
+                missing -= 1
+    return counts
+
+
+def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.ndarray:
+    """The order of sample indices in ``epoch``: a permutation drawn from (seed, epoch)."""
+    if not shuffle:
+        return np.arange(num_samples, dtype=np.int64)
+    return np.random.default_rng([seed, epoch]).permutation(num_samples).astype(np.int64)
+
+
+class BatchPlan:
+    """Which sample indices each rank processes at each step of one epoch.
+
+    Args:
+        num_samples: size of the dataset.
+        caps: per-rank capacity (samples per micro-batch); their sum is the global batch.
+        seed, epoch, shuffle: determine the order of samples.
+        shares: relative share of each global batch per rank (default: ``caps``).
+        start: samples of the epoch already done (resuming); steps count from there.
+    """
+
+    def __init__(
+        self,
+        num_samples: int,
+        caps: Sequence[int],
+        seed: int,
+        epoch: int,
+        shuffle: bool = True,
+        shares: Sequence[float] | None = None,
+        start: int = 0,
+    ) -> None:
+        self.caps = [int(c) for c in caps]
+        self.shares = [float(s) for s in (shares if shares is not None else caps)]
+        self.global_batch_size = sum(self.caps)
+        self.order = epoch_order(num_samples, seed, epoch, shuffle)[start:]
+        self.num_steps = math.ceil(len(self.order) / self.global_batch_size)
+
+    def global_batch(self, step: int) -> np.ndarray:
+        start = step * self.global_batch_size
+        return self.order[start : start + self.global_batch_size]
+
+    def rank_counts(self, step: int) -> list[int]:
+        return split_counts(len(self.global_batch(step)), self.shares, self.caps)
+
+    def rank_indices(self, step: int, rank: int) -> np.ndarray:
+        """The contiguous slice of global batch ``step`` that ``rank`` processes."""
+        counts = self.rank_counts(step)
+        start = sum(counts[:rank])
+        return self.global_batch(step)[start : start + counts[rank]]

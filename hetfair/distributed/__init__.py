@@ -1,0 +1,1 @@
+"""Process-group start-up, launching, stat synchronisation and optimizer sharding."""

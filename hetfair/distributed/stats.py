@@ -1,0 +1,85 @@
+"""Summing logging stats across ranks: one all-reduce when possible (fast-stat-sync).
+
+Every summable value (and the per-rank slots used for throughput, where each
+rank fills only its own slot) is packed into one float64 vector. Two extra
+slots let all ranks agree, from the same reduced vector, whether that was
+valid: a fingerprint of the key set (identical keys on all ranks sum to
+``world_size * fingerprint``) and a count of ranks holding values that cannot
+be summed. If either check fails, every rank falls back to an object gather.
+Criteria must therefore log the same keys for every batch (the trainer logs
+zeros under the same keys for a rank without data).
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from numbers import Number
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hetfair.distributed.collectives import comm_device
+from hetfair.distributed.context import DistributedContext
+
+
+@dataclass
+class SyncedStats:
+    """Stats summed over ranks (non-summable values: lists over ranks), plus per-rank values."""
+
+    totals: dict[str, Any]
+    per_rank: dict[str, list[float]]
+
+
+def _fingerprint(keys: list[str]) -> float:
+    return float(zlib.crc32("\0".join(keys).encode()) & 0xFFFFFF)
+
+
+def sync_stats(
+    context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float]
+) -> SyncedStats:
+    """Sum ``totals`` over ranks and gather each rank's ``per_rank`` values."""
+    if not context.is_distributed:
+        return SyncedStats(dict(totals), {k: [float(v)] for k, v in per_rank.items()})
+    keys = sorted(totals)
+    rank_keys = sorted(per_rank)
+    summable = all(isinstance(totals[k], (Number, torch.Tensor)) for k in keys)
+    world = context.world_size
+    size = len(keys) + len(rank_keys) * world + 2
+    fingerprint = _fingerprint(keys + ["|"] + rank_keys + [str(size)])
+    local = [0.0] * size
+    if summable:
+        local[: len(keys)] = [float(totals[k]) for k in keys]
+    for i, key in enumerate(rank_keys):
+        local[len(keys) + i * world + context.rank] = float(per_rank[key])
+    local[-2] = fingerprint
+    local[-1] = 0.0 if summable else 1.0
+    buffer = torch.tensor(local, dtype=torch.float64, device=comm_device(context))
+    dist.all_reduce(buffer)
+    values = buffer.tolist()
+    if values[-1] == 0 and values[-2] == world * fingerprint:
+        return SyncedStats(
+            totals=dict(zip(keys, values[: len(keys)])),
+            per_rank={
+                key: values[len(keys) + i * world : len(keys) + (i + 1) * world] for i, key in enumerate(rank_keys)
+            },
+        )
+    return _gather_objects(context, totals, per_rank)
+
+
+def _gather_objects(context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float]) -> SyncedStats:
+    gathered: list[Any] = [None] * context.world_size
+    dist.all_gather_object(gathered, (totals, per_rank))
+    merged: dict[str, Any] = {}
+    for rank_totals, _ in gathered:
+        for key, value in rank_totals.items():
+            if isinstance(value, (Number, torch.Tensor)):
+                merged[key] = merged.get(key, 0.0) + float(value)
+            else:  # values that cannot be summed are collected, rank by rank
+                merged.setdefault(key, []).extend(value if isinstance(value, list) else [value])
+    rank_keys = sorted({k for _, rank_values in gathered for k in rank_values})
+    return SyncedStats(
+        totals=merged,
+        per_rank={key: [float(rank_values.get(key, 0.0)) for _, rank_values in gathered] for key in rank_keys},
+    )

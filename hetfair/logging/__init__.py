@@ -1,0 +1,1 @@
+"""Interval statistics, progress output and TensorBoard scalars."""

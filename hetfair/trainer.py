@@ -1,0 +1,217 @@
+"""One training update over micro-batches, the same update for any cluster shape.
+
+An update over micro-batches ``m`` on ranks ``r`` applies
+``g = sum_{r,m} grad(loss_{r,m}) / sum_{r,m} sample_size_{r,m}``: criteria
+return summed losses, DDP averages gradients over ranks, and the trainer
+multiplies by ``world_size / total_sample_size`` (the total comes from the same
+single all-reduce that carries the logging stats). Any split of a global batch
+over ranks and micro-batches therefore yields the same update.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import Any, Optional
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hetfair.distributed.context import DistributedContext
+from hetfair.distributed.stats import sync_stats
+from hetfair.errors import CheckpointError, DivergenceError
+from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
+from hetfair.tasks import Task
+from hetfair.utils import derived_seed, move_to_device
+
+
+@dataclass
+class UpdateResult:
+    """What one update reports: summed logs, per-rank values and optimizer stats."""
+
+    totals: dict[str, Any]
+    per_rank: dict[str, list[float]]
+    lr: float
+    gnorm: float
+    clipped: bool
+
+
+class _ComputeClock:
+    """Remembers when the last parameter gradient was accumulated.
+
+    That moment ends this rank's own forward/backward work; DDP's wait for the
+    final gradient all-reduce comes after it, so it is not counted as compute.
+    """
+
+    def __init__(self, params: list[nn.Parameter]) -> None:
+        self.last_grad_time = 0.0
+        for param in params:
+            param.register_post_accumulate_grad_hook(self._mark)
+
+    def _mark(self, _param: torch.Tensor) -> None:
+        self.last_grad_time = time.perf_counter()
+
+
+class Trainer:
+    """Owns the model, criterion, optimizer and schedule of one process."""
+
+    def __init__(
+        self,
+        args: argparse.Namespace,
+        task: Task,
+        model: nn.Module,
+        criterion: nn.Module,
+        context: DistributedContext,
+        dummy_batch: dict[str, Any],
+    ) -> None:
+        self.args = args
+        self.task = task
+        self.context = context
+        self.model = model.to(context.device)
+        self.criterion = criterion.to(context.device)
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        self.wrapped_model: nn.Module = self.model
+        if context.is_distributed:
+            self.wrapped_model = DistributedDataParallel(
+                self.model,
+                device_ids=[context.device.index] if context.device.type == "cuda" else None,
+                find_unused_parameters=args.find_unused_parameters,
+            )
+        self.optimizer = OPTIMIZER_REGISTRY.get(args.optimizer).build(args, self.params)
+        self.lr_scheduler = LR_SCHEDULER_REGISTRY.get(args.lr_scheduler)(args, self.optimizer)
+        self.num_updates = 0
+        self.lr_scheduler.step_update(0)
+        self._dummy_batch = dummy_batch
+        self._clock = _ComputeClock(self.params)
+
+    # -- training --------------------------------------------------------------
+    def train_step(self, samples: list[Optional[dict[str, Any]]]) -> Optional[UpdateResult]:
+        """One update over this rank's micro-batches (``None``: no data for that step)."""
+        self.wrapped_model.train()
+        self.criterion.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        totals: dict[str, Any] = {}
+        local_samples = 0
+        start = time.perf_counter()
+        self._clock.last_grad_time = start
+
+        # 1. forward/backward of each micro-batch; gradients sync on the last only
+        for index, sample in enumerate(samples):
+            is_last = index == len(samples) - 1
+            if sample is None and not (is_last and self.context.is_distributed):
+                continue  # nothing to compute and no collective to join
+            torch.manual_seed(derived_seed(self.args.seed, self.num_updates, index, self.context.rank))
+            batch = move_to_device(sample if sample is not None else self._dummy_batch, self.context.device)
+            sync = nullcontext() if is_last or not self.context.is_distributed else self.wrapped_model.no_sync()
+            with sync:
+                loss, sample_size, logs = self.criterion(self.wrapped_model, batch)
+                if sample is None:
+                    loss = loss * 0.0  # joins DDP's all-reduce with a zero gradient
+                loss.backward()
+            if sample is None:
+                # zeroed logs keep the key set identical on every rank for the packed all-reduce
+                logs = {k: 0.0 if isinstance(v, (int, float)) else v for k, v in logs.items()}
+                sample_size = 0
+            else:
+                local_samples += int(batch["nsentences"])
+            _accumulate(totals, logs)
+            totals["sample_size"] = totals.get("sample_size", 0.0) + float(sample_size)
+        compute_seconds = self._clock.last_grad_time - start
+        totals.setdefault("sample_size", 0.0)
+
+        # 2. one all-reduce: logging stats, global sample size, per-rank throughput
+        synced = sync_stats(
+            self.context, totals, {"samples": float(local_samples), "compute_seconds": compute_seconds}
+        )
+        total_sample_size = synced.totals["sample_size"]
+        if total_sample_size <= 0:
+            return None
+
+        # 3. normalise by the global sample count (DDP already divided by world size)
+        grads = [p.grad for p in self.params if p.grad is not None]
+        torch._foreach_mul_(grads, self.context.world_size / total_sample_size)
+
+        # 4. clip by global norm (gradients are identical on all ranks after DDP)
+        gnorm = self._clip_grad_norm(grads)
+        if not math.isfinite(gnorm):
+            raise DivergenceError(
+                f"gradient norm is {gnorm} at update {self.num_updates + 1}; lower --lr or set --clip-norm"
+            )
+
+        # 5. step and schedule
+        lr = self.optimizer.param_groups[0]["lr"]
+        self.optimizer.step()
+        self.num_updates += 1
+        self.lr_scheduler.step_update(self.num_updates)
+        clipped = self.args.clip_norm > 0 and gnorm > self.args.clip_norm
+        return UpdateResult(synced.totals, synced.per_rank, lr=lr, gnorm=gnorm, clipped=clipped)
+
+    def _clip_grad_norm(self, grads: list[torch.Tensor]) -> float:
+        if self.args.clip_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, self.args.clip_norm))
+        if not grads:
+            return 0.0
+        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+
+    # -- validation ----------------------------------------------------------------
+    @torch.no_grad()
+    def valid_step(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """Logging output of one validation batch (summed loss etc.)."""
+        self.model.eval()
+        self.criterion.eval()
+        _, sample_size, logs = self.criterion(self.model, move_to_device(sample, self.context.device))
+        return {**logs, "sample_size": float(sample_size)}
+
+    # -- checkpoint state -------------------------------------------------------
+    def optimizer_state_dict(self) -> Optional[dict[str, Any]]:
+        """The full optimizer state (collective when sharded; ``None`` off the master)."""
+        return self.optimizer.state_dict()
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer_state_dict(),
+            "optimizer_name": self.args.optimizer,
+            "lr_scheduler": self.lr_scheduler.state_dict(),
+            "num_updates": self.num_updates,
+        }
+
+    def load_state_dict(self, state: dict[str, Any], reset_optimizer: bool = False) -> None:
+        try:
+            self.model.load_state_dict(state["model"])
+        except RuntimeError as exc:
+            raise CheckpointError(f"checkpoint does not fit this model: {_first_line(exc)}") from exc
+        self.num_updates = int(state["num_updates"])
+        if not reset_optimizer:
+            if state.get("optimizer_name") != self.args.optimizer:
+                raise CheckpointError(
+                    f"checkpoint was trained with --optimizer {state.get('optimizer_name')}, not "
+                    f"{self.args.optimizer}; use the same optimizer or pass --reset-optimizer"
+                )
+            try:
+                self.optimizer.load_state_dict(state["optimizer"])
+            except (ValueError, KeyError, RuntimeError) as exc:
+                raise CheckpointError(f"optimizer state does not fit: {_first_line(exc)}; "
+                                      f"pass --reset-optimizer to start it afresh") from exc
+            self.lr_scheduler.load_state_dict(state["lr_scheduler"])
+        self.lr_scheduler.step_update(self.num_updates)
+
+
+def _accumulate(totals: dict[str, Any], logs: dict[str, Any]) -> None:
+    """Sum a micro-batch's logs into ``totals`` (``sample_size`` is the trainer's own key)."""
+    for key, value in logs.items():
+        if key == "sample_size":
+            continue
+        if isinstance(value, (int, float)):
+            totals[key] = totals.get(key, 0.0) + float(value)
+        else:
+            totals[key] = value
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

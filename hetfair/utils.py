@@ -1,0 +1,25 @@
+"""Small helpers shared by the trainer and the training loop."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+
+def move_to_device(sample: Any, device: torch.device) -> Any:
+    """Recursively move the tensors of a batch to ``device``."""
+    if isinstance(sample, torch.Tensor):
+        return sample.to(device, non_blocking=True)
+    if isinstance(sample, dict):
+        return {key: move_to_device(value, device) for key, value in sample.items()}
+    if isinstance(sample, (list, tuple)):
+        return type(sample)(move_to_device(value, device) for value in sample)
+    return sample
+
+
+def derived_seed(*parts: int) -> int:
+    """A 63-bit seed that depends on every part (e.g. seed, update, micro-batch, rank)."""
+    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32).view(np.uint64)[0]
+               >> np.uint64(1))
