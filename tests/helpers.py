@@ -1,0 +1,58 @@
+"""Shared helpers for tests that run hetfair-train as real processes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+TESTS_DIR = Path(__file__).resolve().parent
+REPO_ROOT = TESTS_DIR.parent
+TOY_PLUGIN = TESTS_DIR / "toy_plugin"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def train_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hetfair_cli.train", *args]
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    env["PYTHONUNBUFFERED"] = "1"
+    return env
+
+
+def start(args: Sequence[str], cwd: Path) -> subprocess.Popen:
+    return subprocess.Popen(train_command(*args), cwd=cwd, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def run_nodes(commands: list[list[str]], cwd: Path, timeout: float = 180) -> list[subprocess.CompletedProcess]:
+    """Start several hetfair-train commands at once (as separate 'nodes') and wait for all."""
+    procs = [start(args, cwd) for args in commands]
+    results = []
+    for args, proc in zip(commands, procs):
+        try:
+            out, err = proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for other in procs:
+                other.kill()
+            raise
+        results.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
+    return results
+
+
+def final_parameters(save_dir: Path) -> dict[str, torch.Tensor]:
+    state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)
+    return state["trainer"]["model"]
