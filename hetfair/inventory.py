@@ -22,7 +22,7 @@ def describe_plugins() -> str:
     """A readable table: one section per kind, one ``name  source`` line per component."""
     lines = []
     for registry in REGISTRIES:
-        lines.append(f"{registry.kind}s:")
+        lines.append(f"{registry.plural}:")
         names = registry.names()
         width = max((len(n) for n in names), default=0)
         for name in names:

@@ -62,6 +62,9 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
                        help="samples per process and micro-batch (may differ between nodes)")
     group.add_argument("--max-tokens", type=int, metavar="N",
                        help="tokens per process and micro-batch (may differ between nodes)")
+    group.add_argument("--global-batch-size", type=int, metavar="N",
+                       help="samples per step over all processes (default: the sum of their batch sizes; "
+                            "smaller leaves room for --auto-balance to move the split)")
     group.add_argument("--max-sentences-valid", type=int, metavar="N",
                        help="validation samples per process (default: --max-sentences)")
     group.add_argument("--train-subset", default="train", metavar="SPLIT", help="split to train on")
@@ -133,6 +136,27 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                             "all-reduce when they can be summed")
     group.add_argument("--find-unused-parameters", action="store_true",
                        help="let DDP handle parameters that get no gradient")
+    group.add_argument("--zero-sharding", choices=("none", "os"), default="none",
+                       help="os: shard optimizer state across ranks (ZeRO stage 1); "
+                            "each rank updates its shard and broadcasts it")
+    group.add_argument("--zero-shard-weights", metavar="W0,W1,...",
+                       help="with --zero-sharding os: one weight per rank (e.g. GPU memory); a rank's "
+                            "shard grows in proportion (default: equal shards)")
+
+
+def add_balance_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("load balancing")
+    group.add_argument("--auto-balance", action="store_true",
+                       help="re-split each global batch among processes by their measured speed "
+                            "(each process's batch size stays a maximum)")
+    group.add_argument("--balance-warmup-updates", type=int, default=10, metavar="N",
+                       help="updates to ignore after start-up before measuring speeds")
+    group.add_argument("--balance-interval", type=int, default=20, metavar="N",
+                       help="measured updates between two re-split decisions")
+    group.add_argument("--balance-smoothing", type=float, default=0.2, metavar="W",
+                       help="weight of the newest update in the moving average of compute times (0 < W <= 1)")
+    group.add_argument("--balance-threshold", type=float, default=0.03, metavar="F",
+                       help="re-split only if the predicted step time drops by more than this fraction")
 
 
 def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
@@ -144,7 +168,7 @@ def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     for add in (add_common_args, add_component_args, add_dataset_args, add_optimization_args,
-                add_checkpoint_args, add_distributed_args):
+                add_checkpoint_args, add_distributed_args, add_balance_args):
         add(parser)
     return parser
 
@@ -168,7 +192,7 @@ def _add_component_flags(parser: argparse.ArgumentParser, title: str, component:
 def parse_train_args(argv: Sequence[str]) -> argparse.Namespace:
     """Parse ``hetfair-train`` arguments, importing ``--user-dir`` first."""
     argv = list(argv)
-    pre = argparse.ArgumentParser(add_help=False)
+    pre = argparse.ArgumentParser(add_help=False, allow_abbrev=False)
     pre.add_argument("--user-dir")
     user_dir = pre.parse_known_args(argv)[0].user_dir
     if user_dir:
@@ -208,10 +232,19 @@ def validate_args(args: argparse.Namespace) -> None:
     """Cross-option checks that argparse cannot express."""
     if args.max_sentences is None and args.max_tokens is None:
         raise ConfigError("give a batch size: --max-sentences N (samples per process) or --max-tokens N")
-    for name in ("max_sentences", "max_tokens", "update_freq", "distributed_world_size"):
+    for name in ("max_sentences", "max_tokens", "update_freq", "distributed_world_size", "global_batch_size",
+                 "balance_interval"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.balance_warmup_updates < 0:
+        raise ConfigError(f"--balance-warmup-updates must not be negative, got {args.balance_warmup_updates}")
+    if not 0 < args.balance_smoothing <= 1:
+        raise ConfigError(f"--balance-smoothing must be in (0, 1], got {args.balance_smoothing}")
+    if not 0 <= args.balance_threshold < 1:
+        raise ConfigError(f"--balance-threshold must be in [0, 1), got {args.balance_threshold}")
+    if args.zero_shard_weights is not None and args.zero_sharding != "os":
+        raise ConfigError("--zero-shard-weights needs --zero-sharding os")
 
 
 def plain_config(args: argparse.Namespace) -> dict[str, Any]:

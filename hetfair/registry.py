@@ -58,6 +58,7 @@ class Registry(Generic[T]):
         builtin_modules: Iterable[str] = (),
     ) -> None:
         self.kind = kind
+        self.plural = "criteria" if kind == "criterion" else f"{kind}s"
         self.base_class = base_class
         self.entry_point_group = entry_point_group
         self._builtin_modules = tuple(builtin_modules)
@@ -127,7 +128,7 @@ class Registry(Generic[T]):
             return registered.obj  # type: ignore[return-value]
         if entry_point is None:
             raise ComponentNotKnownError(
-                f"unknown {self.kind} '{name}'; known {self.kind}s: {', '.join(self.names()) or '(none)'}"
+                f"unknown {self.kind} '{name}'; known {self.plural}: {', '.join(self.names()) or '(none)'}"
             )
         return self._load_entry_point(entry_point)
 

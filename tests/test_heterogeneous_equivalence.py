@@ -10,46 +10,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
-
-from helpers import TOY_PLUGIN, final_parameters, free_port, run_nodes
-from toy_plugin import Blobs, ToyMLP
-
-SEED = 3
-EPOCHS = 2
-TRAIN_SIZE = 200  # not a multiple of 32 or 64: the last global batch is partial
-LR = 0.5
-
-
-def reference_parameters(update_size: int, clip_norm: float = 0.0) -> dict[str, torch.Tensor]:
-    """Plain PyTorch: SGD on mean cross-entropy over consecutive chunks of each epoch's order."""
-    torch.manual_seed(SEED)
-    model = ToyMLP(hidden=16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    data = Blobs(TRAIN_SIZE, seed=0)
-    for epoch in range(1, EPOCHS + 1):
-        order = np.random.default_rng([SEED, epoch]).permutation(TRAIN_SIZE)
-        for start in range(0, TRAIN_SIZE, update_size):
-            indices = torch.as_tensor(order[start : start + update_size])
-            optimizer.zero_grad()
-            loss = F.cross_entropy(model(data.inputs[indices]), data.labels[indices])
-            loss.backward()
-            if clip_norm:
-                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
-            optimizer.step()
-    return model.state_dict()
-
-
-def common_args(save_dir: Path, update_freq: int, extra: tuple[str, ...] = ()) -> list[str]:
-    return [
-        "--user-dir", str(TOY_PLUGIN), "--task", "toy", "--toy-train-size", str(TRAIN_SIZE),
-        "--optimizer", "sgd", "--lr", str(LR), "--seed", str(SEED), "--max-epoch", str(EPOCHS),
-        "--update-freq", str(update_freq), "--save-dir", str(save_dir), "--no-epoch-checkpoints",
-        "--log-format", "none", "--disable-validation", "--distributed-timeout", "60", *extra,
-    ]
+from helpers import final_parameters, free_port, run_nodes
+from toy_reference import TRAIN_SIZE, assert_same, reference_parameters, toy_train_args
 
 
 def run_cluster(tmp_path: Path, batch_sizes: list[int], update_freq: int, init: str,
@@ -67,16 +31,10 @@ def run_cluster(tmp_path: Path, batch_sizes: list[int], update_freq: int, init: 
         if world > 1:
             node += ["--distributed-world-size", str(world), "--distributed-rank", str(rank),
                      "--distributed-gpus", "1", "--distributed-init-method", init_method]
-        commands.append(common_args(save_dir, update_freq, extra) + node)
+        commands.append(toy_train_args(save_dir, update_freq, extra) + node)
     for result in run_nodes(commands, cwd=tmp_path):
         assert result.returncode == 0, result.stderr
     return final_parameters(save_dir)
-
-
-def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert actual.keys() == expected.keys()
-    for name in expected:
-        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
 @pytest.mark.parametrize(

@@ -135,15 +135,15 @@ def _run_process(index: int, args: argparse.Namespace, plan: LaunchPlan, train_f
     try:
         train_fn(args, context)
     except (RuntimeError, dist.DistBackendError) as exc:
+        # no orderly group shutdown here: it would wait for the peer that is gone
         if context.is_distributed and _looks_like_lost_peer(exc):
             raise DistributedError(
                 f"rank {context.rank} lost contact with the other ranks ({_first_line(exc)}); "
                 f"a process probably died or stalled longer than --distributed-timeout"
             ) from exc
         raise
-    finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan) -> DistributedContext:

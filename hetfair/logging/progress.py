@@ -52,6 +52,11 @@ class Progress:
             fields = " | ".join(f"{k} {_format_value(v)}" for k, v in metrics.items())
             self._write(f"{phase} | epoch {epoch:03d} | num_updates {num_updates} | {fields}")
 
+    def info(self, line: str) -> None:
+        """A free-form line (start-up summary), unless output is off."""
+        if self.format != "none":
+            self._write(line)
+
     def _write(self, line: str) -> None:
         if self._bar is not None:
             self._bar.write(line, file=self.stream)

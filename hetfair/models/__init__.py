@@ -10,14 +10,14 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from hetfair.errors import ComponentNotKnownError, ConfigError
+from hetfair.errors import ComponentNotKnownError, ConfigError, HetfairError
 from hetfair.models.model import HetfairModel
 from hetfair.registry import Registry
 
 ArchFunction = Callable[[], dict[str, Any]]
 
 MODEL_REGISTRY: Registry[type[HetfairModel]] = Registry(
-    "model", HetfairModel, entry_point_group="hetfair.models", builtin_modules=[]
+    "model", HetfairModel, entry_point_group="hetfair.models", builtin_modules=["hetfair.models.bert"]
 )
 ARCH_REGISTRY: Registry[ArchFunction] = Registry("arch", None)
 _ARCH_MODEL: dict[str, str] = {}
@@ -43,6 +43,8 @@ def arch_names() -> list[str]:
 
 def resolve_arch(arch: str) -> tuple[str, dict[str, Any]]:
     """``--arch`` value -> (model name, option defaults of that architecture)."""
+    if arch not in ARCH_REGISTRY.names() and arch not in MODEL_REGISTRY.names():
+        _import_plugin_models()
     if arch not in ARCH_REGISTRY.names():
         if arch not in MODEL_REGISTRY.names():
             raise ComponentNotKnownError(f"unknown arch '{arch}'; known archs: {', '.join(arch_names())}")
@@ -54,6 +56,19 @@ def resolve_arch(arch: str) -> tuple[str, dict[str, Any]]:
     if not isinstance(defaults, dict):
         raise ConfigError(f"architecture '{arch}' must return a dict of option defaults, got {type(defaults).__name__}")
     return model_name, defaults
+
+
+def _import_plugin_models() -> None:
+    """Import every installed model plugin: their architectures are only known once imported.
+
+    Only used when ``--arch`` names nothing known so far; a plugin that fails to
+    import here is skipped (its error is reported when its own name is chosen).
+    """
+    for name in MODEL_REGISTRY.names():
+        try:
+            MODEL_REGISTRY.get(name)
+        except HetfairError:
+            continue
 
 
 __all__ = [

@@ -1,0 +1,50 @@
+"""Plain-PyTorch reference training of the toy model, to compare hetfair runs against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from helpers import TOY_PLUGIN
+from toy_plugin import Blobs, ToyMLP
+
+SEED = 3
+EPOCHS = 2
+TRAIN_SIZE = 200  # not a multiple of 32 or 64: the last global batch is partial
+LR = 0.5
+
+
+def reference_parameters(update_size: int, clip_norm: float = 0.0) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: SGD on mean cross-entropy over consecutive chunks of each epoch's order."""
+    torch.manual_seed(SEED)
+    model = ToyMLP(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    data = Blobs(TRAIN_SIZE, seed=0)
+    for epoch in range(1, EPOCHS + 1):
+        order = np.random.default_rng([SEED, epoch]).permutation(TRAIN_SIZE)
+        for start in range(0, TRAIN_SIZE, update_size):
+            indices = torch.as_tensor(order[start : start + update_size])
+            optimizer.zero_grad()
+            loss = F.cross_entropy(model(data.inputs[indices]), data.labels[indices])
+            loss.backward()
+            if clip_norm:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+            optimizer.step()
+    return model.state_dict()
+
+
+def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def toy_train_args(save_dir: Path, update_freq: int, extra: tuple[str, ...] = ()) -> list[str]:
+    return [
+        "--user-dir", str(TOY_PLUGIN), "--task", "toy", "--toy-train-size", str(TRAIN_SIZE),
+        "--optimizer", "sgd", "--lr", str(LR), "--seed", str(SEED), "--max-epoch", str(EPOCHS),
+        "--update-freq", str(update_freq), "--save-dir", str(save_dir), "--no-epoch-checkpoints",
+        "--log-format", "none", "--disable-validation", "--distributed-timeout", "60", *extra,
+    ]
