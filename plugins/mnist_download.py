@@ -1,0 +1,103 @@
+"""Download the MNIST IDX files into a cache directory, checksum-verified."""
+
+from __future__ import annotations
+
+import hashlib
+import http.client
+import logging
+import os
+import tempfile
+import urllib.request
+from pathlib import Path
+from typing import Mapping, Sequence
+
+from hetfair.errors import DataError
+
+logger = logging.getLogger(__name__)
+
+MIRRORS = (
+    "https://ossci-datasets.s3.amazonaws.com/mnist/",
+    "https://storage.googleapis.com/cvdf-datasets/mnist/",
+)
+
+# SHA-256 of the files as distributed by LeCun et al. (and mirrored unchanged).
+MNIST_SHA256 = {
+    "train-images-idx3-ubyte.gz": "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",
+    "train-labels-idx1-ubyte.gz": "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",
+    "t10k-images-idx3-ubyte.gz": "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
+    "t10k-labels-idx1-ubyte.gz": "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
+}
+
+_CHUNK = 1 << 20
+
+
+def fetch_files(
+    cache_dir: Path,
+    mirrors: Sequence[str] = MIRRORS,
+    checksums: Mapping[str, str] = MNIST_SHA256,
+    timeout: float = 30.0,
+) -> Path:
+    """Make sure every file of ``checksums`` is in ``cache_dir`` with that SHA-256; return ``cache_dir``.
+
+    Files already there with the right checksum are kept. Each download goes to
+    a temporary file in ``cache_dir`` and is renamed into place only once its
+    checksum matches, so processes sharing the cache never see partial files.
+    """
+    cache_dir = Path(cache_dir).expanduser()
+    for name, sha256 in checksums.items():
+        target = cache_dir / name
+        if target.is_file() and _sha256(target) == sha256:
+            continue
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise DataError(f"cannot create the MNIST cache directory {cache_dir}: {exc.strerror or exc}") from exc
+        failures = _download_from_mirrors(name, sha256, target, mirrors, timeout)
+        if failures:
+            raise DataError(
+                f"could not download {name} into {cache_dir} ({'; '.join(failures)}); without network, "
+                f"pass --data DIR naming a directory that holds the IDX files {', '.join(checksums)}"
+            )
+    return cache_dir
+
+
+def _download_from_mirrors(name: str, sha256: str, target: Path, mirrors: Sequence[str], timeout: float) -> list[str]:
+    """Try each mirror until one yields the right file; return why each failed (empty on success)."""
+    failures = []
+    for mirror in mirrors:
+        url = mirror.rstrip("/") + "/" + name
+        logger.info("downloading %s", url)
+        try:
+            got = _download(url, target, sha256, timeout)
+        except (OSError, http.client.HTTPException, ValueError) as exc:
+            failures.append(f"{url}: {exc}")
+            continue
+        if got == sha256:
+            return []
+        failures.append(f"{url}: checksum mismatch (sha256 {got}, expected {sha256})")
+    return failures or ["no mirror given"]
+
+
+def _download(url: str, target: Path, sha256: str, timeout: float) -> str:
+    """Fetch ``url`` into a temp file, rename it to ``target`` if its SHA-256 is ``sha256``; return the SHA-256."""
+    digest = hashlib.sha256()
+    fd, tmp_name = tempfile.mkstemp(dir=target.parent, prefix=f".{target.name}.", suffix=".part")
+    try:
+        with os.fdopen(fd, "wb") as out, urllib.request.urlopen(url, timeout=timeout) as response:
+            while chunk := response.read(_CHUNK):
+                digest.update(chunk)
+                out.write(chunk)
+        if digest.hexdigest() == sha256:
+            os.replace(tmp_name, target)
+    finally:
+        if os.path.exists(tmp_name):
+            os.unlink(tmp_name)
+    return digest.hexdigest()
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as stream:
+        while chunk := stream.read(_CHUNK):
+            digest.update(chunk)
+    return digest.hexdigest()

@@ -1,0 +1,96 @@
+"""The ``mnist`` task: 10-class classification of 28x28 images in IDX files (MNIST, Fashion-MNIST)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any, ClassVar
+
+import numpy as np
+
+from hetfair import register_task
+from hetfair.errors import DataError
+from hetfair.tasks import Task
+
+from .mnist_data import ImageClassificationDataset, load_pair
+from .mnist_download import MIRRORS, fetch_files
+
+SPLITS = ("train", "valid", "test")
+
+
+@register_task("mnist")
+class MnistTask(Task):
+    """Classify MNIST-style digits or clothes; ``valid`` and ``test`` are the t10k files.
+
+    Without ``--data`` the MNIST files are downloaded into ``--mnist-cache-dir``.
+    With ``--valid-size N`` the last N training images become ``valid`` instead.
+    """
+
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "criterion": "cross_entropy",
+        "arch": "mnist_cnn",
+        "optimizer": "adam",
+        "lr": 1e-3,
+        "max_sentences": 64,
+        "max_epoch": 1,
+    }
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--mnist-cache-dir", default="~/.cache/hetfair/mnist", metavar="DIR",
+                            help="where MNIST is downloaded to when --data is not given (default: %(default)s)")
+        parser.add_argument("--mnist-mirror", action="append", metavar="URL",
+                            help="download from URL (a directory holding the four .gz files; repeatable) "
+                                 f"instead of {', '.join(MIRRORS)}")
+        parser.add_argument("--valid-size", type=int, default=0, metavar="N",
+                            help="hold out the last N training images as the 'valid' split "
+                                 "(default 0: 'valid' and 'test' are both the t10k files)")
+        parser.add_argument("--no-normalize", action="store_true",
+                            help="scale pixels to [0, 1] only, instead of standardising them with the "
+                                 "mean and std of the training images")
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        super().__init__(args)
+        self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
+        self._pixel_stats: tuple[float, float] | None = None
+
+    def load_dataset(self, split: str) -> ImageClassificationDataset:
+        if split not in SPLITS:
+            raise DataError(f"task mnist has no split '{split}'; splits: {', '.join(SPLITS)}")
+        images, labels = self._split_arrays(split)
+        mean, std = self._normalisation()
+        return ImageClassificationDataset(images, labels, mean, std)
+
+    def _split_arrays(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+        """Images and labels of ``split``, carving ``--valid-size`` off the end of the train files."""
+        if split == "test" or (split == "valid" and self.args.valid_size == 0):
+            return self._file_pair("t10k")
+        images, labels = self._file_pair("train")
+        held_out = self.args.valid_size
+        if not 0 <= held_out < len(images):
+            raise DataError(f"--valid-size must be in 0..{len(images) - 1} "
+                            f"(the train files hold {len(images)} images), got {held_out}")
+        cut = len(images) - held_out
+        return (images[cut:], labels[cut:]) if split == "valid" else (images[:cut], labels[:cut])
+
+    def _file_pair(self, prefix: str) -> tuple[np.ndarray, np.ndarray]:
+        if prefix not in self._arrays:
+            self._arrays[prefix] = load_pair(self._data_dir(), prefix)
+        return self._arrays[prefix]
+
+    def _data_dir(self) -> Path:
+        if self.args.data:
+            data_dir = Path(self.args.data).expanduser()
+            if not data_dir.is_dir():
+                raise DataError(f"--data {self.args.data}: no such directory")
+            return data_dir
+        return fetch_files(Path(self.args.mnist_cache_dir), self.args.mnist_mirror or MIRRORS)
+
+    def _normalisation(self) -> tuple[float, float]:
+        """``(mean, std)`` in pixel units: of the training images, or ``(0, 255)`` with ``--no-normalize``."""
+        if self.args.no_normalize:
+            return 0.0, 255.0
+        if self._pixel_stats is None:
+            images = self._split_arrays("train")[0]
+            self._pixel_stats = float(images.mean(dtype=np.float64)), float(images.std(dtype=np.float64))
+        return self._pixel_stats
