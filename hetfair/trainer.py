@@ -23,8 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.stats import sync_stats
+from hetfair.distributed.zero import build_optimizer, full_state_dict
 from hetfair.errors import CheckpointError, DivergenceError
-from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
+from hetfair.optim import LR_SCHEDULER_REGISTRY
 from hetfair.tasks import Task
 from hetfair.utils import derived_seed, move_to_device
 
@@ -81,7 +82,7 @@ class Trainer:
                 device_ids=[context.device.index] if context.device.type == "cuda" else None,
                 find_unused_parameters=args.find_unused_parameters,
             )
-        self.optimizer = OPTIMIZER_REGISTRY.get(args.optimizer).build(args, self.params)
+        self.optimizer = build_optimizer(args, self.params, context)
         self.lr_scheduler = LR_SCHEDULER_REGISTRY.get(args.lr_scheduler)(args, self.optimizer)
         self.num_updates = 0
         self.lr_scheduler.step_update(0)
@@ -169,7 +170,7 @@ class Trainer:
     # -- checkpoint state -------------------------------------------------------
     def optimizer_state_dict(self) -> Optional[dict[str, Any]]:
         """The full optimizer state (collective when sharded; ``None`` off the master)."""
-        return self.optimizer.state_dict()
+        return full_state_dict(self.optimizer, self.context)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -194,7 +195,7 @@ class Trainer:
                 )
             try:
                 self.optimizer.load_state_dict(state["optimizer"])
-            except (ValueError, KeyError, RuntimeError) as exc:
+            except (ValueError, KeyError, IndexError, RuntimeError) as exc:
                 raise CheckpointError(f"optimizer state does not fit: {_first_line(exc)}; "
                                       f"pass --reset-optimizer to start it afresh") from exc
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])

@@ -1,0 +1,158 @@
+"""Optimizer-state sharding (ZeRO stage 1), with shard sizes that can follow the hardware.
+
+With ``--zero-sharding os`` the chosen ``torch.optim`` class runs inside torch's
+:class:`~torch.distributed.optim.ZeroRedundancyOptimizer`: each rank keeps the
+optimizer state of its own shard of the parameters, steps that shard and
+broadcasts it to the others. Gradients stay full on every rank (DDP), so the
+trainer's normalisation and global-norm clipping are unchanged. Checkpoints hold
+the plain optimizer's ``state_dict`` (gathered on rank 0), so they load with or
+without sharding and on any world size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import zlib
+from typing import Any, Optional, Sequence
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from hetfair.distributed.collectives import all_gather_ints
+from hetfair.distributed.context import DistributedContext
+from hetfair.errors import ConfigError
+from hetfair.optim import OPTIMIZER_REGISTRY
+
+
+def build_optimizer(
+    args: argparse.Namespace, params: list[torch.nn.Parameter], context: DistributedContext
+) -> torch.optim.Optimizer:
+    """The ``--optimizer`` over ``params``, sharded across ranks for ``--zero-sharding os``."""
+    recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
+    _check_ranks_agree(args, context)
+    if args.zero_sharding == "none":
+        return recipe.build(args, params)
+    if not context.is_distributed:
+        raise ConfigError("--zero-sharding os needs more than one process (--distributed-world-size N)")
+    weights = parse_shard_weights(args.zero_shard_weights, context.world_size) if args.zero_shard_weights else None
+    return ShardedOptimizer(params, recipe.torch_class, weights, **recipe.torch_kwargs(args))
+
+
+def _check_ranks_agree(args: argparse.Namespace, context: DistributedContext) -> None:
+    """Fail on every rank, rather than hang or diverge, when nodes were given different sharding flags."""
+    if not context.is_distributed:
+        return
+    setting = f"{args.zero_sharding}|{args.zero_shard_weights}"
+    fingerprints = all_gather_ints(context, zlib.crc32(setting.encode()))
+    if len(set(fingerprints)) > 1:
+        differing = [rank for rank, value in enumerate(fingerprints) if value != fingerprints[0]]
+        raise ConfigError(
+            f"ranks {differing} were given other --zero-sharding/--zero-shard-weights than rank 0; "
+            f"give every node's command the same values"
+        )
+
+
+def parse_shard_weights(text: str, world_size: int) -> list[float]:
+    """``--zero-shard-weights`` as one positive weight per rank."""
+    try:
+        weights = [float(value) for value in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--zero-shard-weights must be numbers like '1,1,2', got '{text}'") from None
+    if len(weights) != world_size:
+        raise ConfigError(
+            f"--zero-shard-weights has {len(weights)} weights but there are {world_size} ranks; give one per rank"
+        )
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ConfigError(f"--zero-shard-weights must all be positive numbers, got '{text}'")
+    return weights
+
+
+def weighted_partition(params: Sequence[torch.Tensor], weights: Sequence[float]) -> list[list[torch.Tensor]]:
+    """Split ``params`` so that rank ``r`` holds about ``weights[r] / sum(weights)`` of the elements.
+
+    Greedy, largest parameter first, onto the rank whose load / weight would stay
+    smallest; with equal weights this is ZeroRedundancyOptimizer's own partition.
+    Parameters are never split, so shares are only as fine as the parameters.
+    """
+    loads = [0] * len(weights)
+    shards: list[list[torch.Tensor]] = [[] for _ in weights]
+    for param in sorted(params, key=lambda p: p.numel(), reverse=True):
+        rank = min(range(len(weights)), key=lambda r: (loads[r] + param.numel()) / weights[r])
+        shards[rank].append(param)
+        loads[rank] += param.numel()
+    return shards
+
+
+class ShardedOptimizer(ZeroRedundancyOptimizer):
+    """ZeroRedundancyOptimizer with weighted shards, plain-format loading and no stray copies.
+
+    This class is the only place hetfair touches ZeroRedundancyOptimizer
+    internals (torch 2.x): ``_partition_parameters`` accepts an explicit
+    partition (one parameter group only) but has no public hook, and
+    ``_all_state_dicts`` holds the states gathered by ``consolidate_state_dict``.
+    """
+
+    def __init__(
+        self,
+        params: list[torch.nn.Parameter],
+        optimizer_class: type[torch.optim.Optimizer],
+        shard_weights: Optional[list[float]],
+        **defaults: Any,
+    ) -> None:
+        self.shard_weights = shard_weights  # set first: the base constructor partitions
+        super().__init__(params, optimizer_class=optimizer_class, **defaults)
+
+    def _partition_parameters(self, params_per_rank: Optional[list[list[torch.Tensor]]] = None) -> list[list[dict]]:
+        # Called lazily and repeatedly; an explicit partition is only accepted while nothing is cached.
+        if params_per_rank is None and self.shard_weights is not None and not self._partition_parameters_cache:
+            params_per_rank = weighted_partition(self.param_groups[0]["params"], self.shard_weights)
+        return super()._partition_parameters(params_per_rank)
+
+    def shard_numels(self) -> list[int]:
+        """Number of parameter elements each rank updates (and keeps optimizer state for)."""
+        return [sum(p.numel() for group in groups for p in group["params"]) for groups in self._partition_parameters()]
+
+    def state_dict(self) -> dict[str, Any]:
+        """The full, plain-format state after :meth:`consolidate_state_dict` (on the receiving rank)."""
+        try:
+            return super().state_dict()
+        finally:
+            self._all_state_dicts = []  # else the receiving rank keeps a full copy until the next save
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a full, plain-format state (any world size); this rank keeps only its shard."""
+        super().load_state_dict({**state_dict, "state": dict(state_dict["state"])})  # torch overwrites entries
+        # torch's base class also stored a second copy of this rank's shard; the local optimizer owns it
+        self.state.clear()
+
+
+def optimizer_state_bytes(optimizer: torch.optim.Optimizer) -> int:
+    """Bytes of the optimizer-state tensors this rank holds."""
+    local = optimizer.optim if isinstance(optimizer, ZeroRedundancyOptimizer) else optimizer
+    return sum(
+        value.numel() * value.element_size()
+        for state in local.state.values()
+        for value in state.values()
+        if torch.is_tensor(value)
+    )
+
+
+def full_state_dict(optimizer: torch.optim.Optimizer, context: DistributedContext) -> Optional[dict[str, Any]]:
+    """The plain optimizer's ``state_dict``; when sharded a collective that returns it on rank 0 only."""
+    if not isinstance(optimizer, ZeroRedundancyOptimizer):
+        return optimizer.state_dict()
+    optimizer.consolidate_state_dict(to=0)
+    return optimizer.state_dict() if context.is_master else None
+
+
+def shard_report(optimizer: torch.optim.Optimizer, context: DistributedContext) -> dict[str, float]:
+    """Per-rank ``params{r}`` and ``state_bytes{r}`` when sharded (a collective), else ``{}``."""
+    if not isinstance(optimizer, ShardedOptimizer):
+        return {}
+    state_bytes = all_gather_ints(context, optimizer_state_bytes(optimizer))
+    report: dict[str, float] = {}
+    for rank, (numel, size) in enumerate(zip(optimizer.shard_numels(), state_bytes)):
+        report[f"params{rank}"] = numel
+        report[f"state_bytes{rank}"] = size
+    return report
