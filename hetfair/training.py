@@ -11,19 +11,21 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from hetfair.balance import BalanceConfig, LoadBalancer
 from hetfair.checkpoint import CheckpointManager, load_checkpoint
 from hetfair.data.batch_plan import BatchPlan
 from hetfair.data.rank_batches import RankBatches, dummy_batch
 from hetfair.distributed.collectives import all_gather_ints
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.stats import sync_stats
+from hetfair.distributed.zero import shard_report
 from hetfair.errors import ConfigError
 from hetfair.logging.meters import IntervalStats
 from hetfair.logging.progress import Progress
 from hetfair.logging.tensorboard import TensorBoardLogger
 from hetfair.options import plain_config
 from hetfair.tasks import TASK_REGISTRY, Task
-from hetfair.trainer import Trainer
+from hetfair.trainer import Trainer, UpdateResult
 
 
 @dataclass
@@ -68,6 +70,9 @@ class TrainingRun:
         self.caps = all_gather_ints(context, local_capacity(args, self.task, args.max_sentences))
         valid_cap = local_capacity(args, self.task, args.max_sentences_valid or args.max_sentences)
         self.valid_caps = all_gather_ints(context, valid_cap)
+        self.global_batch_size = self._global_batch_size()
+        self.balancer = (LoadBalancer(self.caps, self.global_batch_size, BalanceConfig.from_args(args))
+                         if args.auto_balance else None)
         self.position = Position()
         self.checkpoints = CheckpointManager(args)
         self.progress = Progress(args.log_format, enabled=context.is_master)
@@ -75,8 +80,21 @@ class TrainingRun:
         reduce_metrics = self.trainer.criterion.reduce_metrics
         self.interval = IntervalStats(reduce_metrics)
         self.epoch_stats = IntervalStats(reduce_metrics)
+        self._shards_to_report = args.zero_sharding == "os"
+        self._check_best_metric_exists()
         self._restore()
         self._announce(model)
+
+    def _global_batch_size(self) -> int:
+        """``--global-batch-size`` (default: the sum of the per-rank batch sizes), checked against them."""
+        size = self.args.global_batch_size or sum(self.caps)
+        if size > sum(self.caps):
+            raise ConfigError(f"--global-batch-size {size} exceeds the per-process batch sizes {self.caps} "
+                              f"together ({sum(self.caps)})")
+        if self.args.auto_balance and size < len(self.caps):
+            raise ConfigError(f"--auto-balance needs a --global-batch-size of at least one sample per process "
+                              f"({len(self.caps)})")
+        return size
 
     # -- the loop ----------------------------------------------------------------
     def run(self) -> None:
@@ -94,13 +112,25 @@ class TrainingRun:
         return bool(args.max_epoch) and self.position.epoch > args.max_epoch
 
     def train_epoch(self) -> None:
-        args, position = self.args, self.position
+        position = self.position
         self.task.begin_epoch(position.epoch)
+        steps_left = math.ceil((len(self.train_data) - position.samples_done) / self.global_batch_size)
+        self.progress.start_epoch(position.epoch, steps_left, 0)
+        while position.samples_done < len(self.train_data):
+            if self._train_with_current_split():
+                return  # --max-update reached
+        self.progress.end_epoch()
+        self._end_epoch()
+
+    def _train_with_current_split(self) -> bool:
+        """Train on the rest of the epoch split as the balancer says, until the epoch ends or the
+        split moves (the same global batches then continue with the new split); True at --max-update."""
+        args, position = self.args, self.position
         plan = BatchPlan(len(self.train_data), self.caps, args.seed, position.epoch, shuffle=True,
-                         start=position.samples_done)
+                         shares=self.balancer.split if self.balancer else None, start=position.samples_done,
+                         global_batch_size=self.global_batch_size)
         batches = RankBatches(self.train_data, self.task.collater, plan, self.context.rank,
                               num_workers=args.num_workers, pin_memory=self.context.device.type == "cuda")
-        self.progress.start_epoch(position.epoch, plan.num_steps, 0)
         group: list[Optional[dict[str, Any]]] = []
         group_samples = 0
         for step, sample in enumerate(batches):
@@ -111,14 +141,35 @@ class TrainingRun:
             result = self.trainer.train_step(group)
             position.samples_done += group_samples
             self.progress.step(len(group))
+            if self._shards_to_report:
+                self._report_optimizer_shards()
             group, group_samples = [], 0
+            resplit = False
             if result is not None:
                 self.interval.add(result)
                 self.epoch_stats.add(result)
+                resplit = self._rebalance(result)
             if step + 1 < plan.num_steps and self._after_update_mid_epoch():
-                return
-        self.progress.end_epoch()
-        self._end_epoch()
+                return True
+            if resplit:
+                return False
+        return False
+
+    def _rebalance(self, result: UpdateResult) -> bool:
+        """Show the balancer this update's per-rank timings; True when it moves the split."""
+        if self.balancer is None:
+            return False
+        split = self.balancer.observe(result.per_rank["samples"], result.per_rank["compute_seconds"])
+        if split is None:
+            return False
+        self._log("balance", {f"split{rank}": count for rank, count in enumerate(split)})
+        return True
+
+    def _report_optimizer_shards(self) -> None:
+        """Log each rank's shard and optimizer-state bytes once, after the first update (a collective)."""
+        self._shards_to_report = False
+        report = shard_report(self.trainer.optimizer, self.context)
+        self.progress.log("zero", report, self.position.epoch, self.trainer.num_updates)
 
     def _after_update_mid_epoch(self) -> bool:
         """Log/validate/save as the intervals say; True when --max-update is reached."""
@@ -188,6 +239,15 @@ class TrainingRun:
             self._valid_key_cache = sorted(self.trainer.valid_step(self.task.collater([dataset[0]])))
         return self._valid_key_cache
 
+    def _check_best_metric_exists(self) -> None:
+        """Fail at start-up, not after an epoch, when the best-checkpoint metric is not reported."""
+        if self.args.disable_validation or self.args.no_save:
+            return
+        subset = self.args.valid_subset.split(",")[0]
+        dataset = self.task.dataset(subset)
+        self._best_metric(self.trainer.criterion.reduce_metrics(
+            {key: 0.0 for key in self._valid_keys(dataset)}))
+
     def _best_metric(self, metrics: dict[str, float]) -> float:
         name = self.args.best_checkpoint_metric
         if name not in metrics:
@@ -211,6 +271,7 @@ class TrainingRun:
             "trainer": trainer_state,
             "position": asdict(self.position),
             "epoch_stats": self.epoch_stats.state_dict(),
+            "balance": self.balancer.state_dict() if self.balancer else None,
             "rng": _rng_state(),
             "config": plain_config(self.args),
         }
@@ -226,28 +287,37 @@ class TrainingRun:
         self.trainer.load_state_dict(state["trainer"], reset_optimizer=self.args.reset_optimizer)
         self.position = Position(**state["position"])
         self.epoch_stats.load_state_dict(state["epoch_stats"])
+        self._restore_balance(state.get("balance"))
         self.checkpoints.best_metric = state.get("best_metric")
         _set_rng_state(state["rng"])
         if self.context.is_master:
             self.progress.log("restore", {"epoch": self.position.epoch, "samples_done": self.position.samples_done},
                               self.position.epoch, self.trainer.num_updates)
 
+    def _restore_balance(self, saved: Optional[dict[str, Any]]) -> None:
+        """Continue with the saved split and measurements when balancing and they still fit this run."""
+        if self.balancer is None or saved is None:
+            return
+        if not self.balancer.load_state_dict(saved) and self.context.is_master:
+            self.progress.info(f"restore | saved split {saved['split']} does not fit this run's batch sizes "
+                               f"{self.caps} and global batch {self.global_batch_size}: balancing starts afresh")
+
     # -- logging -----------------------------------------------------------------------
     def _log(self, phase: str, metrics: dict[str, float]) -> None:
         if not metrics:
             return
         self.progress.log(phase, metrics, self.position.epoch, self.trainer.num_updates)
-        self.tensorboard.log("train" if phase.startswith("train") else phase, metrics, self.trainer.num_updates)
+        self.tensorboard.log(phase, metrics, self.trainer.num_updates)
 
     def _announce(self, model: torch.nn.Module) -> None:
         if not self.context.is_master:
             return
         parameters = sum(p.numel() for p in model.parameters())
         self.progress.log("setup", {"parameters": parameters, "world_size": self.context.world_size,
-                                    "global_batch": sum(self.caps), "train_samples": len(self.train_data)},
+                                    "global_batch": self.global_batch_size, "train_samples": len(self.train_data)},
                           self.position.epoch, self.trainer.num_updates)
         caps = ", ".join(f"rank {r}: {c}" for r, c in enumerate(self.caps))
-        self.progress._write(f"setup | model {self.args.arch} ({type(model).__name__}) | task {self.args.task} | "
+        self.progress.info(f"setup | model {self.args.arch} ({type(model).__name__}) | task {self.args.task} | "
                              f"per-rank batch {caps} | device {self.context.device}")
 
 

@@ -67,6 +67,8 @@ class BatchPlan:
         seed, epoch, shuffle: determine the order of samples.
         shares: relative share of each global batch per rank (default: ``caps``).
         start: samples of the epoch already done (resuming); steps count from there.
+        global_batch_size: samples per step over all ranks (default: ``sum(caps)``); a
+            smaller value leaves room to move the split without exceeding any cap.
     """
 
     def __init__(
@@ -78,10 +80,13 @@ class BatchPlan:
         shuffle: bool = True,
         shares: Sequence[float] | None = None,
         start: int = 0,
+        global_batch_size: int | None = None,
     ) -> None:
         self.caps = [int(c) for c in caps]
         self.shares = [float(s) for s in (shares if shares is not None else caps)]
-        self.global_batch_size = sum(self.caps)
+        self.global_batch_size = sum(self.caps) if global_batch_size is None else int(global_batch_size)
+        if not 0 < self.global_batch_size <= sum(self.caps):
+            raise ValueError(f"global batch {self.global_batch_size} does not fit capacities {self.caps}")
         self.order = epoch_order(num_samples, seed, epoch, shuffle)[start:]
         self.num_steps = math.ceil(len(self.order) / self.global_batch_size)
 

@@ -16,7 +16,12 @@ class IntervalStats:
     Metrics: the criterion's (loss, accuracy, ppl ...), ``lr``, ``gnorm`` (mean),
     ``clip`` (percent of updates clipped), ``ups`` (updates/s), ``wps``
     (tokens/s), ``bsz`` (samples per update), plus per rank ``share{r}`` (percent
-    of the samples) and ``sps{r}`` (samples per second of its own compute).
+    of the samples) and ``sps{r}`` (samples per second of its own compute), and
+    ``balance_eff``: the compute time the interval's samples would have needed had
+    every rank finished together at its measured speed, ``sum_r n_r / sum_r sps_r``,
+    divided by the compute time it took, ``sum_u max_r t_{r,u}`` (each update waits
+    for its slowest rank). 1 is perfect balance; an equal split on ranks of speeds
+    1:1:2:4 gives 0.5.
     """
 
     def __init__(self, reduce_metrics: ReduceMetrics) -> None:
@@ -26,6 +31,7 @@ class IntervalStats:
     def reset(self) -> None:
         self.totals: dict[str, float] = {}
         self.per_rank: dict[str, list[float]] = {}
+        self.slowest_seconds = 0.0
         self.updates = 0
         self.gnorm_sum = 0.0
         self.clipped = 0
@@ -39,6 +45,7 @@ class IntervalStats:
         for key, values in result.per_rank.items():
             previous = self.per_rank.get(key, [0.0] * len(values))
             self.per_rank[key] = [a + b for a, b in zip(previous, values)]
+        self.slowest_seconds += max(result.per_rank.get("compute_seconds", [0.0]))
         self.updates += 1
         self.gnorm_sum += result.gnorm
         self.clipped += int(result.clipped)
@@ -64,17 +71,22 @@ class IntervalStats:
         for rank, (count, busy) in enumerate(zip(samples, seconds)):
             metrics[f"share{rank}"] = 100.0 * count / total_samples if total_samples else 0.0
             metrics[f"sps{rank}"] = count / busy if busy > 0 else 0.0
+        total_speed = sum(count / busy for count, busy in zip(samples, seconds) if busy > 0)
+        if total_speed > 0 and self.slowest_seconds > 0:
+            metrics["balance_eff"] = total_samples / total_speed / self.slowest_seconds
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data snapshot for checkpoints (timing restarts on load)."""
         return {"totals": dict(self.totals), "per_rank": {k: list(v) for k, v in self.per_rank.items()},
-                "updates": self.updates, "gnorm_sum": self.gnorm_sum, "clipped": self.clipped, "lr": self.lr}
+                "slowest_seconds": self.slowest_seconds, "updates": self.updates, "gnorm_sum": self.gnorm_sum,
+                "clipped": self.clipped, "lr": self.lr}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset()
         self.totals = dict(state["totals"])
         self.per_rank = {k: list(v) for k, v in state["per_rank"].items()}
+        self.slowest_seconds = state["slowest_seconds"]
         self.updates = state["updates"]
         self.gnorm_sum = state["gnorm_sum"]
         self.clipped = state["clipped"]

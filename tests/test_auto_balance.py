@@ -1,0 +1,281 @@
+"""Automatic load balancing: the split follows the ranks' speeds, and the math does not change.
+
+Policy tests feed :class:`LoadBalancer` synthetic timings (pure Python). The
+cluster tests run real gloo processes of the simulated cluster in
+``benchmarks/simcluster`` (forward passes sleep in proportion to batch size over
+each rank's speed) and check the split, the caps, resume and the final
+parameters against a plain PyTorch loop over the same global batches.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+import shutil
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetfair.balance import BalanceConfig, LoadBalancer
+from hetfair.logging.meters import IntervalStats
+from hetfair.trainer import UpdateResult
+from hetfair_cli.train import main
+from helpers import REPO_ROOT, TOY_PLUGIN, free_port, run_nodes
+
+SIMCLUSTER = REPO_ROOT / "benchmarks" / "simcluster"
+
+
+# -- the policy -------------------------------------------------------------------------
+def drive(balancer: LoadBalancer, cost, updates: int) -> list[tuple[int, list[int]]]:
+    """Run ``updates`` updates where rank r's compute time for n samples is ``cost(update, r, n)``."""
+    resplits = []
+    for update in range(1, updates + 1):
+        split = list(balancer.split)
+        seconds = [cost(update, rank, n) for rank, n in enumerate(split)]
+        new = balancer.observe(split, seconds)
+        if new is not None:
+            resplits.append((update, new))
+    return resplits
+
+
+def linear(per_sample: Sequence[float], overhead: Sequence[float] = (0, 0, 0, 0)):
+    return lambda update, rank, n: overhead[rank] + n * per_sample[rank]
+
+
+SPEEDS_1124 = [1.0, 1.0, 0.5, 0.25]  # seconds per sample of ranks with speeds 1:1:2:4
+CONFIG = BalanceConfig(warmup_updates=2, interval=5, smoothing=0.3, threshold=0.03)
+
+
+def test_split_follows_the_speed_ratio():
+    balancer = LoadBalancer([64] * 4, 64, CONFIG)
+    assert balancer.split == [16, 16, 16, 16]
+    resplits = drive(balancer, linear(SPEEDS_1124), 30)
+    assert resplits == [(7, [8, 8, 16, 32])]  # 64 samples in proportion 1:1:2:4, decided once
+
+
+def test_caps_stay_hard_maxima():
+    balancer = LoadBalancer([64, 64, 64, 16], 64, CONFIG)
+    drive(balancer, linear(SPEEDS_1124), 30)
+    # rank 3 would take 32 but holds 16; the other 48 go 1:1:2
+    assert balancer.split == [12, 12, 24, 16]
+
+
+def test_nothing_moves_before_warmup_and_one_interval():
+    balancer = LoadBalancer([64] * 4, 64, BalanceConfig(warmup_updates=4, interval=3, smoothing=1.0, threshold=0.0))
+    resplits = drive(balancer, linear(SPEEDS_1124), 7)
+    assert resplits == [(7, [8, 8, 16, 32])]
+
+
+def test_fixed_overhead_converges_to_equal_step_times():
+    # rank 3 pays 8 s per step whatever its batch: equal times need T + T + 2T + 4(T - 8) = 64, T = 12
+    balancer = LoadBalancer([64] * 4, 64, CONFIG)
+    resplits = drive(balancer, linear(SPEEDS_1124, overhead=(0, 0, 0, 8)), 100)
+    assert balancer.split == [12, 12, 24, 16]
+    assert len(resplits) <= 6 and resplits[-1][0] <= 40
+
+
+def noisy(per_sample: Sequence[float], noise: float):
+    """Linear costs times a reproducible random factor in ``1 +- noise``, drawn per update and rank."""
+    return lambda update, rank, n: n * per_sample[rank] * (1 + noise * random.Random(update * 7 + rank).uniform(-1, 1))
+
+
+def test_hysteresis_ignores_noise_below_the_threshold():
+    balanced = {"split": [8, 8, 16, 32], "resplits": 0, "measured": 0, "samples": [0.0] * 4, "seconds": [0.0] * 4}
+    steady = LoadBalancer([64] * 4, 64, BalanceConfig(2, 5, 0.3, threshold=0.05))
+    assert steady.load_state_dict(balanced)
+    assert drive(steady, noisy(SPEEDS_1124, 0.1), 400) == []
+    eager = LoadBalancer([64] * 4, 64, BalanceConfig(2, 5, 0.3, threshold=0.0))
+    assert eager.load_state_dict(balanced)
+    assert len(drive(eager, noisy(SPEEDS_1124, 0.1), 400)) > 5  # the same noise churns without hysteresis
+
+
+def test_a_slowed_rank_is_rebalanced_within_two_intervals():
+    balancer = LoadBalancer([64] * 4, 64, CONFIG)
+
+    def cost(update: int, rank: int, n: int) -> float:
+        slow_down = 4.0 if rank == 3 and update > 20 else 1.0  # rank 3 drops from speed 4 to 1
+        return n * SPEEDS_1124[rank] * slow_down
+
+    resplits = drive(balancer, cost, 40)
+    assert resplits[0] == (7, [8, 8, 16, 32])
+    later = [(update, split) for update, split in resplits if update > 20]
+    # 64 in proportion 1:1:2:1 is 12.8, 12.8, 25.6, 12.8; the 3 left over go to the largest remainders
+    assert later and later[-1][1] == [13, 13, 25, 13]
+    assert later[-1][0] <= 20 + 2 * CONFIG.interval
+
+
+def test_every_rank_keeps_a_sample_to_stay_measured():
+    balancer = LoadBalancer([8, 64], 8, CONFIG)
+    drive(balancer, linear([1000.0, 0.001]), 20)
+    assert balancer.split == [1, 7]
+
+
+def test_restored_balancer_decides_like_the_original():
+    config = BalanceConfig(warmup_updates=0, interval=5, smoothing=0.3, threshold=0.03)  # warm-up is per process
+    original = LoadBalancer([64] * 4, 64, config)
+    drive(original, linear(SPEEDS_1124), 7)  # re-split at 5, two measurements since
+    restored = LoadBalancer([64] * 4, 64, config)
+    assert restored.load_state_dict(json.loads(json.dumps(original.state_dict())))  # plain data
+    assert restored.split == original.split == [8, 8, 16, 32]
+    slower = linear([1.0, 1.0, 0.5, 1.0])
+    assert drive(restored, slower, 20) == drive(original, slower, 20) != []
+
+
+@pytest.mark.parametrize("caps, global_batch", [([64] * 3, 64), ([64, 64, 64, 16], 64), ([64] * 4, 48)])
+def test_a_saved_split_that_does_not_fit_is_refused(caps, global_batch):
+    saved = LoadBalancer([64] * 4, 64, CONFIG)
+    drive(saved, linear(SPEEDS_1124), 10)  # [8, 8, 16, 32]
+    fresh = LoadBalancer(caps, global_batch, CONFIG)
+    initial = list(fresh.split)
+    assert not fresh.load_state_dict(saved.state_dict())
+    assert fresh.split == initial
+
+
+def update_result(samples: list[float], seconds: list[float]) -> UpdateResult:
+    return UpdateResult(totals={}, per_rank={"samples": samples, "compute_seconds": seconds},
+                        lr=0.1, gnorm=1.0, clipped=False)
+
+
+def test_balance_efficiency_is_ideal_over_slowest_rank_time():
+    stats = IntervalStats(lambda totals: {})
+    for _ in range(3):  # equal split on speeds 1:1:2:4: the slowest rank takes 16 s, 8 s would do
+        stats.add(update_result([16, 16, 16, 16], [16.0, 16.0, 8.0, 4.0]))
+    assert stats.metrics()["balance_eff"] == pytest.approx(64 / 8 / 16)
+    stats.reset()
+    stats.add(update_result([8, 8, 16, 32], [8.0, 8.0, 8.0, 8.0]))
+    stats.add(update_result([8, 8, 16, 32], [8.0, 8.0, 8.0, 12.0]))  # one slow step on rank 3
+    assert stats.metrics()["balance_eff"] == pytest.approx(128 / (16 / 16 + 16 / 16 + 32 / 16 + 64 / 20) / 20)
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--global-batch-size", "17"], "--global-batch-size 17 exceeds"),
+        (["--auto-balance", "--balance-smoothing", "0"], "--balance-smoothing must be in (0, 1]"),
+        (["--auto-balance", "--balance-interval", "0"], "--balance-interval must be at least 1"),
+    ],
+)
+def test_bad_balance_options_are_one_line_errors(tmp_path, monkeypatch, capsys, flags, message):
+    monkeypatch.chdir(tmp_path)
+    code = main(["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--max-sentences", "16", "--no-save",
+                 "--disable-validation", "--log-format", "none", *flags])
+    err = capsys.readouterr().err
+    assert code == 2 and err.count("\n") == 1 and message in err
+
+
+# -- a simulated cluster of three ranks ---------------------------------------------------
+SEED, LR, TRAIN_SIZE, EPOCHS = 5, 0.3, 350, 2  # 15 updates per epoch, the last of 14 samples
+GLOBAL_BATCH, CAPS = 24, [16, 16, 6]
+SPEEDS, SPEEDS_AFTER, CHANGE_AT = [1, 2, 4], [1, 0.5, 4], 16
+SPLIT, SPLIT_AFTER = [6, 12, 6], [12, 6, 6]  # rank 2 capped at 6, the other 18 go 1:2, then 2:1
+INTERVAL = 3
+
+
+def sim_command(save_dir: Path, rank: int, init: str, speeds: Sequence[float], *extra: str) -> list[str]:
+    return [
+        "--user-dir", str(SIMCLUSTER), "--task", "sim", "--sim-train-size", str(TRAIN_SIZE),
+        "--sim-speeds", ",".join(map(str, speeds)), "--sim-sample-ms", "20",
+        "--optimizer", "sgd", "--lr", str(LR), "--seed", str(SEED), "--max-sentences", str(CAPS[rank]),
+        "--global-batch-size", str(GLOBAL_BATCH), "--auto-balance", "--balance-interval", str(INTERVAL),
+        "--balance-smoothing", "0.5", "--balance-threshold", "0.05",
+        "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--disable-validation",
+        "--log-format", "json", "--log-interval", "1", "--distributed-timeout", "60",
+        "--distributed-world-size", str(len(CAPS)), "--distributed-rank", str(rank),
+        "--distributed-gpus", "1", "--distributed-init-method", init, *extra,
+    ]
+
+
+def run_sim_cluster(save_dir: Path, speeds: Sequence[float], *extra: str) -> list[dict[str, Any]]:
+    """Run the three ranks; return rank 0's JSON log records."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    commands = [sim_command(save_dir, rank, init, speeds, *extra) for rank in range(len(CAPS))]
+    results = run_nodes(commands, cwd=save_dir.parent)
+    for result in results:
+        assert result.returncode == 0, result.stderr
+    return [json.loads(line) for line in results[0].stderr.splitlines() if line.startswith("{")]
+
+
+@pytest.fixture(scope="module")
+def balanced_run(tmp_path_factory) -> tuple[list[dict[str, Any]], Path]:
+    """Three ranks of speeds 1:2:4, where rank 1 drops to speed 0.5 after update 16."""
+    save_dir = tmp_path_factory.mktemp("balanced") / "ckpt"
+    logs = run_sim_cluster(save_dir, SPEEDS, "--max-epoch", str(EPOCHS), "--balance-warmup-updates", "2",
+                           "--sim-change-at", str(CHANGE_AT),
+                           "--sim-speeds-after", ",".join(map(str, SPEEDS_AFTER)))
+    return logs, save_dir / "checkpoint_last.pt"
+
+
+def load(checkpoint: Path) -> dict[str, Any]:
+    return torch.load(checkpoint, map_location="cpu", weights_only=True)
+
+
+def samples_per_rank(logs: list[dict[str, Any]]) -> dict[int, list[float]]:
+    """Samples each rank processed at each full update, from the per-update shares in the log."""
+    return {record["num_updates"]: [round(record[f"share{r}"] * GLOBAL_BATCH / 100, 6) for r in range(len(CAPS))]
+            for record in logs if record["phase"] == "train_inner" and record["bsz"] == GLOBAL_BATCH}
+
+
+def within_one_sample(actual: Sequence[float], expected: Sequence[int]) -> bool:
+    return all(abs(a - e) <= 1 for a, e in zip(actual, expected))
+
+
+def reference_parameters() -> dict[str, torch.Tensor]:
+    """Plain PyTorch: SGD on mean cross-entropy over consecutive global batches of each epoch's order."""
+    generator = torch.Generator().manual_seed(0)
+    labels = torch.randint(0, 3, (TRAIN_SIZE,), generator=generator)
+    inputs = torch.randn(TRAIN_SIZE, 8, generator=generator) + labels[:, None].float()
+    torch.manual_seed(SEED)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 3))
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    for epoch in range(1, EPOCHS + 1):
+        order = np.random.default_rng([SEED, epoch]).permutation(TRAIN_SIZE)
+        for start in range(0, TRAIN_SIZE, GLOBAL_BATCH):
+            batch = torch.as_tensor(order[start : start + GLOBAL_BATCH])
+            optimizer.zero_grad()
+            F.cross_entropy(model(inputs[batch]), labels[batch]).backward()
+            optimizer.step()
+    return {f"net.{name}": value for name, value in model.state_dict().items()}
+
+
+def test_moving_the_split_does_not_change_the_parameters(balanced_run):
+    logs, checkpoint = balanced_run
+    state = load(checkpoint)
+    assert len([r for r in logs if r["phase"] == "balance"]) >= 2 and state["balance"]["resplits"] >= 2
+    actual, expected = state["trainer"]["model"], reference_parameters()
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_split_converges_to_the_speed_ratio_under_caps(balanced_run):
+    logs = balanced_run[0]
+    samples = samples_per_rank(logs)
+    settled = [samples[u] for u in range(11, CHANGE_AT + 1) if u in samples]
+    assert settled and all(within_one_sample(s, SPLIT) for s in settled), settled
+    assert all(s[r] <= CAPS[r] for s in samples.values() for r in range(len(CAPS)))
+    planned = [[record[f"split{r}"] for r in range(len(CAPS))] for record in logs if record["phase"] == "balance"]
+    assert all(split[r] <= CAPS[r] for split in planned for r in range(len(CAPS)))
+
+
+def test_a_slowed_down_rank_is_rebalanced_within_three_intervals(balanced_run):
+    samples = samples_per_rank(balanced_run[0])
+    after = [samples[u] for u in range(CHANGE_AT + 3 * INTERVAL, EPOCHS * 15 + 1) if u in samples]
+    assert after and all(within_one_sample(s, SPLIT_AFTER) for s in after), after
+
+
+def test_resume_continues_with_the_saved_split(balanced_run, tmp_path):
+    saved = load(balanced_run[1])["balance"]["split"]
+    assert within_one_sample(saved, SPLIT_AFTER) and saved != [10, 10, 4]  # not the caps-proportional start
+    save_dir = tmp_path / "ckpt"
+    save_dir.mkdir()
+    shutil.copy(balanced_run[1], save_dir)
+    # equal speeds and a long warm-up: nothing re-splits, so the first update shows the restored split
+    logs = run_sim_cluster(save_dir, [1, 1, 1], "--max-epoch", str(EPOCHS + 1), "--max-update", str(EPOCHS * 15 + 2),
+                           "--balance-warmup-updates", "100")
+    samples = samples_per_rank(logs)
+    assert samples[EPOCHS * 15 + 1] == saved
