@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import random
+import time
 from dataclasses import asdict, dataclass
 from typing import Any, Optional
 
@@ -81,6 +82,8 @@ class TrainingRun:
         self.interval = IntervalStats(reduce_metrics)
         self.epoch_stats = IntervalStats(reduce_metrics)
         self._shards_to_report = args.zero_sharding == "os"
+        self._started = time.perf_counter()
+        self._wall_before = 0.0  # training seconds of earlier runs of this job (from the checkpoint)
         self._check_best_metric_exists()
         self._restore()
         self._announce(model)
@@ -273,6 +276,7 @@ class TrainingRun:
             "epoch_stats": self.epoch_stats.state_dict(),
             "balance": self.balancer.state_dict() if self.balancer else None,
             "rng": _rng_state(),
+            "wall": self._wall(),
             "config": plain_config(self.args),
         }
         self.checkpoints.save(state, names, valid_metric)
@@ -290,6 +294,7 @@ class TrainingRun:
         self._restore_balance(state.get("balance"))
         self.checkpoints.best_metric = state.get("best_metric")
         _set_rng_state(state["rng"])
+        self._wall_before = float(state.get("wall", 0.0))
         if self.context.is_master:
             self.progress.log("restore", {"epoch": self.position.epoch, "samples_done": self.position.samples_done},
                               self.position.epoch, self.trainer.num_updates)
@@ -303,9 +308,14 @@ class TrainingRun:
                                f"{self.caps} and global batch {self.global_batch_size}: balancing starts afresh")
 
     # -- logging -----------------------------------------------------------------------
+    def _wall(self) -> float:
+        return self._wall_before + time.perf_counter() - self._started
+
     def _log(self, phase: str, metrics: dict[str, float]) -> None:
         if not metrics:
             return
+        if phase.startswith("train"):
+            metrics = {**metrics, "wall": self._wall()}
         self.progress.log(phase, metrics, self.position.epoch, self.trainer.num_updates)
         self.tensorboard.log(phase, metrics, self.trainer.num_updates)
 

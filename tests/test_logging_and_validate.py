@@ -45,7 +45,9 @@ def test_json_log_lines_carry_the_metrics(tmp_path, capsys):
     records = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     inner = [r for r in records if r["phase"] == "train_inner"]
     assert [r["num_updates"] for r in inner] == [5, 10, 15, 20, 25]
-    assert all({"loss", "accuracy", "lr", "gnorm", "ups", "wps", "bsz"} <= r.keys() for r in inner)
+    assert all({"loss", "accuracy", "lr", "gnorm", "ups", "wps", "bsz", "wall"} <= r.keys() for r in inner)
+    walls = [r["wall"] for r in inner]
+    assert walls == sorted(walls) and walls[0] > 0
     valid = [r for r in records if r["phase"] == "valid"]
     assert len(valid) == 2 and all(0 <= r["accuracy"] <= 100 for r in valid)
 
