@@ -7,7 +7,7 @@ CRITERION_REGISTRY: Registry[type[HetfairCriterion]] = Registry(
     "criterion",
     HetfairCriterion,
     entry_point_group="hetfair.criteria",
-    builtin_modules=["hetfair.criteria.cross_entropy"],
+    builtin_modules=["hetfair.criteria.cross_entropy", "hetfair.criteria.masked_lm"],
 )
 register_criterion = CRITERION_REGISTRY.register
 

@@ -50,7 +50,7 @@ class IndexedDatasetBuilder:
     def __init__(self, prefix: str, dtype: np.dtype) -> None:
         self.prefix = prefix
         self.dtype = np.dtype(dtype)
-        self._bin = open(prefix + ".bin", "wb")
+        self._bin = open(prefix + ".bin", "wb")  # noqa: SIM115 - written by add_sentence, closed by finalize
         self._offsets = array("q", [0])
         self._documents = array("q", [0])
 
@@ -74,12 +74,16 @@ class IndexedDatasetBuilder:
     def num_tokens(self) -> int:
         return self._offsets[-1]
 
+    @property
+    def num_documents(self) -> int:
+        return len(self._documents) - 1
+
     def finalize(self) -> None:
         """End the last document and write the index."""
         self.end_document()
         self._bin.close()
         header = np.array(
-            [(_VERSION, _dtype_code(self.dtype), self.num_sentences, len(self._documents) - 1)], dtype=_HEADER
+            [(_VERSION, _dtype_code(self.dtype), self.num_sentences, self.num_documents)], dtype=_HEADER
         )
         with open(self.prefix + ".idx", "wb") as f:
             f.write(_MAGIC)
@@ -146,11 +150,6 @@ class IndexedDataset:
     @property
     def num_tokens(self) -> int:
         return len(self.tokens)
-
-    def document(self, index: int) -> np.ndarray:
-        """All tokens of document ``index`` (its sentences are contiguous)."""
-        first, last = self.document_index[index], self.document_index[index + 1]
-        return self.tokens[self.sentence_offsets[first]:self.sentence_offsets[last]]
 
 
 def dataset_exists(prefix: str) -> bool:

@@ -145,6 +145,11 @@ def read_vocab_file(path: str) -> list[str]:
     return tokens
 
 
+def spec_for_file(path: str, lowercase: bool) -> TokenizerSpec:
+    """Spec of a vocabulary file: ``*.model`` is sentencepiece, anything else a WordPiece ``vocab.txt``."""
+    return TokenizerSpec("sentencepiece" if path.endswith(".model") else "wordpiece", path, lowercase)
+
+
 def load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     """Build the tokenizer described by ``spec``."""
     if spec.kind == "wordpiece":
@@ -154,8 +159,29 @@ def load_tokenizer(spec: TokenizerSpec) -> Tokenizer:
     raise ConfigError(f"unknown tokenizer '{spec.kind}'; choose one of: {', '.join(TOKENIZER_KINDS)}")
 
 
-def train_tokenizer(kind: str, lines: Iterable[str], vocab_size: int, lowercase: bool, out_dir: str) -> TokenizerSpec:
-    """Train a ``kind`` vocabulary of ``vocab_size`` tokens on ``lines``; save it into ``out_dir``."""
+def check_same_vocabulary(given: Tokenizer, existing: Tokenizer) -> None:
+    """Raise :class:`ConfigError` unless the two tokenizers produce the same ids."""
+    a, b = given.spec, existing.spec
+    if a.kind != b.kind:
+        raise ConfigError(f"vocabulary {a.path} is {a.kind} but {b.path} is {b.kind}")
+    if a.kind == "wordpiece" and a.lowercase != b.lowercase:
+        raise ConfigError(f"{b.path} was used with lowercase={b.lowercase}, not lowercase={a.lowercase}")
+    ours, theirs = given.vocab.tokens, existing.vocab.tokens
+    if ours != theirs:
+        first = next((i for i, (x, y) in enumerate(zip(ours, theirs)) if x != y), min(len(ours), len(theirs)))
+        raise ConfigError(
+            f"vocabulary {a.path} ({len(ours)} tokens) differs from {b.path} ({len(theirs)} tokens) "
+            f"at id {first}; use the vocabulary the data was made with, or a fresh directory"
+        )
+
+
+def train_tokenizer(kind: str, lines: Iterable[str], vocab_size: int, lowercase: bool, out_dir: str,
+                    character_coverage: float = 0.9995) -> TokenizerSpec:
+    """Train a ``kind`` vocabulary of ``vocab_size`` tokens on ``lines``; save it into ``out_dir``.
+
+    ``character_coverage`` (sentencepiece only): share of characters the vocabulary must cover;
+    rarer characters become ``[UNK]``.
+    """
     path = os.path.join(out_dir, VOCAB_FILE_NAMES[kind])
     if kind == "wordpiece":
         trainer = BertWordPieceTokenizer(lowercase=lowercase)
@@ -163,11 +189,12 @@ def train_tokenizer(kind: str, lines: Iterable[str], vocab_size: int, lowercase:
                                     show_progress=False)
         trainer.save_model(out_dir)
         return TokenizerSpec(kind, path, lowercase)
-    _train_sentencepiece(iter(lines), vocab_size, lowercase, path)
+    _train_sentencepiece(iter(lines), vocab_size, lowercase, character_coverage, path)
     return TokenizerSpec(kind, path, lowercase)
 
 
-def _train_sentencepiece(lines: Iterator[str], vocab_size: int, lowercase: bool, path: str) -> None:
+def _train_sentencepiece(lines: Iterator[str], vocab_size: int, lowercase: bool, character_coverage: float,
+                         path: str) -> None:
     model = io.BytesIO()
     try:
         spm.SentencePieceTrainer.train(
@@ -180,6 +207,7 @@ def _train_sentencepiece(lines: Iterator[str], vocab_size: int, lowercase: bool,
             bos_id=2, bos_piece=CLS, eos_id=3, eos_piece=SEP,
             control_symbols=[MASK],
             normalization_rule_name="nmt_nfkc_cf" if lowercase else "nmt_nfkc",
+            character_coverage=character_coverage,
             input_sentence_size=10_000_000,
             shuffle_input_sentence=True,
             max_sentence_length=16384,

@@ -4,7 +4,7 @@ from hetfair.registry import Registry
 from hetfair.tasks.task import Task
 
 TASK_REGISTRY: Registry[type[Task]] = Registry(
-    "task", Task, entry_point_group="hetfair.tasks", builtin_modules=[]
+    "task", Task, entry_point_group="hetfair.tasks", builtin_modules=["hetfair.tasks.bert"]
 )
 register_task = TASK_REGISTRY.register
 

@@ -1,0 +1,174 @@
+"""BERT training samples: packed sentence blocks, optional sentence pairs, dynamic masks.
+
+Blocks are fixed once (consecutive sentences of one document, packed up to the
+token budget); everything random about a sample (the NSP split and partner, the
+masks) is drawn from a generator seeded by ``(seed, epoch, index)``, so a sample
+is the same whichever rank, batch or DataLoader worker produces it.
+"""
+
+from __future__ import annotations
+
+from itertools import pairwise
+from typing import Any
+
+import numpy as np
+import torch
+from torch.utils.data import Dataset
+
+from hetfair.data.indexed_dataset import IndexedDataset
+from hetfair.data.masking import IGNORE_INDEX, MaskingConfig, mask_tokens
+from hetfair.data.tokenizer import Vocabulary
+from hetfair.errors import ConfigError, DataError
+
+IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as in Google's BERT and Hugging Face
+
+
+def build_blocks(offsets: np.ndarray, document_index: np.ndarray, budget: int, min_tokens: int = 1
+                 ) -> tuple[np.ndarray, np.ndarray]:
+    """Greedily pack each document's consecutive sentences into token ranges of at most ``budget``.
+
+    A sentence longer than ``budget`` is cut into ``budget``-sized pieces. Ranges
+    shorter than ``min_tokens`` are dropped. Returns ``(blocks, documents)``:
+    ``blocks[i] = (start, end)`` token offsets and ``documents[i]`` its document.
+    """
+    blocks: list[tuple[int, int]] = []
+    documents: list[int] = []
+
+    def emit(start: int, end: int, document: int) -> None:
+        if end - start >= min_tokens:
+            blocks.append((start, end))
+            documents.append(document)
+
+    for document in range(len(document_index) - 1):
+        first, last = int(document_index[document]), int(document_index[document + 1])
+        bounds = offsets[first:last + 1].tolist()
+        start = bounds[0]
+        for sentence_start, sentence_end in pairwise(bounds):
+            if sentence_end - start <= budget:
+                continue
+            if sentence_start > start:
+                emit(start, sentence_start, document)
+                start = sentence_start
+            while sentence_end - start > budget:
+                emit(start, start + budget, document)
+                start += budget
+        emit(start, bounds[-1], document)
+    return np.array(blocks, dtype=np.int64).reshape(-1, 2), np.array(documents, dtype=np.int64)
+
+
+class BertDataset(Dataset):
+    """``[CLS] A [SEP]`` blocks, or ``[CLS] A [SEP] B [SEP]`` pairs with ``nsp``, dynamically masked.
+
+    Args:
+        data: the binarized split.
+        vocab: its vocabulary (special token ids).
+        tokens_per_sample: longest sample, special tokens included.
+        masking: masking probabilities.
+        seed: base seed of every random draw.
+        nsp: build sentence pairs for next-sentence prediction; B is the true
+            continuation of A or (probability 1/2) a block of another document.
+    """
+
+    def __init__(self, data: IndexedDataset, vocab: Vocabulary, tokens_per_sample: int,
+                 masking: MaskingConfig, seed: int, nsp: bool) -> None:
+        specials = 3 if nsp else 2
+        if tokens_per_sample <= specials:
+            raise ConfigError(f"--tokens-per-sample must exceed {specials}, got {tokens_per_sample}")
+        self.data = data
+        self.vocab = vocab
+        self.masking = masking
+        self.seed = seed
+        self.nsp = nsp
+        self.epoch = 1
+        self.blocks, block_documents = build_blocks(
+            data.sentence_offsets, data.document_index, tokens_per_sample - specials, min_tokens=2 if nsp else 1
+        )
+        if len(self.blocks) == 0:
+            raise DataError(f"{data.prefix} yields no training samples")
+        # Blocks of one document are contiguous: document d owns blocks [first[d], first[d + 1]).
+        self._block_documents = block_documents
+        self._document_first_block = np.searchsorted(block_documents, np.arange(data.num_documents + 1))
+        special = np.zeros(len(vocab), dtype=bool)
+        special[list(vocab.special_ids)] = True
+        self._special = special
+        self._regular_ids = np.flatnonzero(~special)
+
+    def set_epoch(self, epoch: int) -> None:
+        """Redraw masks (and NSP pairs) for ``epoch``."""
+        self.epoch = epoch
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        rng = np.random.default_rng([self.seed, self.epoch, index])
+        v = self.vocab
+        if self.nsp:
+            a, b, nsp_label = self._sentence_pair(index, rng)
+            ids = np.concatenate([[v.cls], a, [v.sep], b, [v.sep]])
+        else:
+            start, end = self.blocks[index]
+            a = self.data.tokens[start:end]
+            ids = np.concatenate([[v.cls], a, [v.sep]])
+        ids = ids.astype(np.int64)
+        token_types = np.zeros(len(ids), dtype=np.int64)
+        token_types[len(a) + 2:] = 1
+        inputs, labels = mask_tokens(ids, ~self._special[ids], self.masking, v.mask, self._regular_ids, rng)
+        item = {
+            "input_ids": torch.from_numpy(inputs),
+            "token_type_ids": torch.from_numpy(token_types),
+            "labels": torch.from_numpy(labels),
+        }
+        if self.nsp:
+            item["nsp_label"] = torch.tensor(nsp_label)
+        return item
+
+    def _sentence_pair(self, index: int, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray, int]:
+        """Split block ``index`` into A and B (at a sentence boundary when it has one)."""
+        start, end = (int(x) for x in self.blocks[index])
+        offsets = self.data.sentence_offsets
+        inner = offsets[np.searchsorted(offsets, start, "right"):np.searchsorted(offsets, end, "left")]
+        split = int(rng.choice(inner)) if len(inner) else int(rng.integers(start + 1, end))
+        tokens = self.data.tokens
+        a, b = tokens[start:split], tokens[split:end]
+        if rng.random() < 0.5:
+            return a, b, IS_NEXT
+        other_start, other_end = self.blocks[self._block_elsewhere(index, rng)]
+        return a, tokens[other_start:min(other_end, other_start + len(b))], NOT_NEXT
+
+    def _block_elsewhere(self, index: int, rng: np.random.Generator) -> int:
+        """A uniformly random block of another document (any block if there is only one document)."""
+        document = self._block_documents[index]
+        first, end = self._document_first_block[document], self._document_first_block[document + 1]
+        others = len(self.blocks) - (end - first)
+        if others == 0:
+            return int(rng.integers(len(self.blocks)))
+        pick = int(rng.integers(others))
+        return pick + (end - first) if pick >= first else pick
+
+
+def collate_bert(samples: list[dict[str, torch.Tensor]], pad_id: int) -> dict[str, Any]:
+    """Pad samples to the longest; labels are -100 wherever nothing is predicted."""
+    lengths = torch.tensor([len(s["input_ids"]) for s in samples])
+    size = int(lengths.max())
+
+    def stack(key: str, fill: int) -> torch.Tensor:
+        out = torch.full((len(samples), size), fill, dtype=torch.long)
+        for row, sample in zip(out, samples):
+            row[:len(sample[key])] = sample[key]
+        return out
+
+    attention_mask = torch.arange(size) < lengths[:, None]  # true on real tokens
+    batch: dict[str, Any] = {
+        "net_input": {
+            "input_ids": stack("input_ids", pad_id),
+            "token_type_ids": stack("token_type_ids", 0),
+            "attention_mask": attention_mask,
+        },
+        "target": stack("labels", IGNORE_INDEX),
+        "nsentences": len(samples),
+        "ntokens": int(attention_mask.sum()),
+    }
+    if "nsp_label" in samples[0]:
+        batch["nsentence_labels"] = torch.stack([s["nsp_label"] for s in samples])
+    return batch

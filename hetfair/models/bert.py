@@ -1,0 +1,273 @@
+"""BERT encoder with a masked-LM head (tied to the input embeddings) and an optional NSP head.
+
+Hyper-parameters come, in increasing priority, from the flag defaults
+(``bert_base``), the ``--arch`` preset, explicit flags and ``--config_file``
+(a Google / Hugging Face ``bert_config.json``). The effective values are
+written back to ``args`` so checkpoints record the model actually built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from dataclasses import asdict, dataclass, fields
+from typing import TYPE_CHECKING, Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from hetfair.errors import ConfigError
+from hetfair.models import register_model, register_model_architecture
+from hetfair.models.model import HetfairModel
+
+if TYPE_CHECKING:
+    from hetfair.tasks import Task
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+@dataclass
+class BertConfig:
+    """BERT hyper-parameters, named as in ``bert_config.json``."""
+
+    vocab_size: int
+    hidden_size: int = 768
+    num_hidden_layers: int = 12
+    num_attention_heads: int = 12
+    intermediate_size: int = 3072
+    hidden_act: str = "gelu"
+    hidden_dropout_prob: float = 0.1
+    attention_probs_dropout_prob: float = 0.1
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    initializer_range: float = 0.02
+    layer_norm_eps: float = 1e-12
+
+    def validate(self) -> None:
+        if self.hidden_act not in ACTIVATIONS:
+            raise ConfigError(f"unknown hidden_act '{self.hidden_act}'; known: {', '.join(ACTIVATIONS)}")
+        if self.hidden_size % self.num_attention_heads:
+            raise ConfigError(f"hidden_size {self.hidden_size} is not a multiple of "
+                              f"num_attention_heads {self.num_attention_heads}")
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if f.type in ("int", "float") and value < 0:
+                raise ConfigError(f"{f.name} must not be negative, got {value}")
+
+
+HYPER_PARAMETERS = tuple(f.name for f in fields(BertConfig) if f.name != "vocab_size")
+_HELP = {
+    "hidden_size": "width of the encoder",
+    "num_hidden_layers": "number of encoder layers",
+    "num_attention_heads": "attention heads per layer",
+    "intermediate_size": "width of the feed-forward layers",
+    "hidden_act": f"activation: {', '.join(ACTIVATIONS)}",
+    "hidden_dropout_prob": "dropout on embeddings and layer outputs",
+    "attention_probs_dropout_prob": "dropout on attention probabilities",
+    "max_position_embeddings": "longest input the position embeddings cover",
+    "type_vocab_size": "number of segment (token type) ids",
+    "initializer_range": "std of the normal weight initialisation",
+    "layer_norm_eps": "LayerNorm epsilon",
+}
+
+
+def config_from_file(path: str, base: BertConfig) -> BertConfig:
+    """``base`` with the values of a ``bert_config.json`` (other keys in the file are ignored)."""
+    if not os.path.isfile(path):
+        raise ConfigError(f"--config_file {path} does not exist")
+    try:
+        with open(path) as f:
+            values = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--config_file {path} is not valid JSON: {exc}") from exc
+    if not isinstance(values, dict):
+        raise ConfigError(f"--config_file {path} must hold a JSON object")
+    config = asdict(base)
+    for f in fields(BertConfig):
+        if f.name not in values:
+            continue
+        value = values[f.name]
+        expected = {"int": int, "float": (int, float), "str": str}[str(f.type)]
+        if isinstance(value, bool) or not isinstance(value, expected):
+            raise ConfigError(f"--config_file {path}: {f.name} must be {f.type}, got {value!r}")
+        config[f.name] = value
+    return BertConfig(**config)
+
+
+class BertLayer(nn.Module):
+    """Post-LayerNorm transformer encoder layer (as in the original BERT)."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.num_heads = config.num_attention_heads
+        self.attention_dropout = config.attention_probs_dropout_prob
+        self.qkv = nn.Linear(config.hidden_size, 3 * config.hidden_size)
+        self.attention_out = nn.Linear(config.hidden_size, config.hidden_size)
+        self.attention_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.intermediate = nn.Linear(config.hidden_size, config.intermediate_size)
+        self.output = nn.Linear(config.intermediate_size, config.hidden_size)
+        self.output_norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.activation = ACTIVATIONS[config.hidden_act]
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, x: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+        batch, length, hidden = x.shape
+        q, k, v = self.qkv(x).view(batch, length, 3, self.num_heads, -1).permute(2, 0, 3, 1, 4)
+        attended = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attention_mask, dropout_p=self.attention_dropout if self.training else 0.0
+        )
+        attended = attended.transpose(1, 2).reshape(batch, length, hidden)
+        x = self.attention_norm(x + self.dropout(self.attention_out(attended)))
+        return self.output_norm(x + self.dropout(self.output(self.activation(self.intermediate(x)))))
+
+
+class BertEmbeddings(nn.Module):
+    """Token + position + segment embeddings, normalised."""
+
+    def __init__(self, config: BertConfig) -> None:
+        super().__init__()
+        self.word = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.position = nn.Embedding(config.max_position_embeddings, config.hidden_size)
+        self.token_type = nn.Embedding(config.type_vocab_size, config.hidden_size)
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.dropout = nn.Dropout(config.hidden_dropout_prob)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        x = self.word(input_ids) + self.position(positions) + self.token_type(token_type_ids)
+        return self.dropout(self.norm(x))
+
+
+class BertLMHead(nn.Module):
+    """Transform + LayerNorm, then scores against the (tied) input embeddings."""
+
+    def __init__(self, config: BertConfig, embedding_weight: nn.Parameter) -> None:
+        super().__init__()
+        self.transform = nn.Linear(config.hidden_size, config.hidden_size)
+        self.activation = ACTIVATIONS[config.hidden_act]
+        self.norm = nn.LayerNorm(config.hidden_size, eps=config.layer_norm_eps)
+        self.weight = embedding_weight
+        self.bias = nn.Parameter(torch.zeros(config.vocab_size))
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(self.norm(self.activation(self.transform(hidden))), self.weight, self.bias)
+
+
+@register_model("bert")
+class BertModel(HetfairModel):
+    """BERT for pretraining: masked LM, plus next-sentence prediction when ``nsp``.
+
+    The NSP pooler and classifier exist only with ``nsp``, so without it every
+    parameter receives a gradient (DDP needs no unused-parameter search).
+    """
+
+    def __init__(self, config: BertConfig, nsp: bool = False) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.embeddings = BertEmbeddings(config)
+        self.layers = nn.ModuleList(BertLayer(config) for _ in range(config.num_hidden_layers))
+        self.lm_head = BertLMHead(config, self.embeddings.word.weight)
+        if nsp:
+            self.pooler = nn.Linear(config.hidden_size, config.hidden_size)
+            self.nsp_head = nn.Linear(config.hidden_size, 2)
+        self.nsp = nsp
+        self.apply(self._init_weights)
+
+    def _init_weights(self, module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=self.config.initializer_range)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        defaults = BertConfig(vocab_size=0)
+        for name in HYPER_PARAMETERS:
+            value = getattr(defaults, name)
+            parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
+                                metavar=type(value).__name__.upper(), help=f"{_HELP[name]} (bert_config.json: {name})")
+        parser.add_argument("--config_file", "--config-file", metavar="JSON", dest="config_file",
+                            help="bert_config.json whose values override the architecture and flags")
+
+    @classmethod
+    def build_model(cls, args: argparse.Namespace, task: "Task") -> "BertModel":
+        vocab_size = len(task.vocab)  # type: ignore[attr-defined]
+        config = BertConfig(vocab_size=vocab_size, **{name: getattr(args, name) for name in HYPER_PARAMETERS})
+        if args.config_file:
+            config = config_from_file(args.config_file, config)
+            if config.vocab_size != vocab_size:
+                raise ConfigError(f"--config_file {args.config_file} has vocab_size {config.vocab_size} but the "
+                                  f"vocabulary of --data has {vocab_size} tokens; fix one of them")
+        max_positions = task.max_positions()
+        if max_positions is not None and max_positions > config.max_position_embeddings:
+            raise ConfigError(f"samples of {max_positions} tokens do not fit max_position_embeddings "
+                              f"{config.max_position_embeddings}; lower --tokens-per-sample")
+        vars(args).update({name: getattr(config, name) for name in HYPER_PARAMETERS})
+        return cls(config, nsp=bool(getattr(args, "nsp", False)))
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        masked_tokens: torch.Tensor | None = None,
+    ) -> dict[str, torch.Tensor]:
+        """Scores of the masked LM and (with ``nsp``) of next-sentence prediction.
+
+        Args:
+            input_ids, token_type_ids: ``(batch, length)`` token and segment ids.
+            attention_mask: ``(batch, length)``, true on real tokens (``None``: no padding).
+            masked_tokens: ``(batch, length)`` booleans; the LM head runs only on these
+                positions and ``mlm_logits`` is ``(n_masked, vocab)`` in row-major order.
+                ``None`` scores every position: ``(batch, length, vocab)``.
+        """
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+        hidden = self.embeddings(input_ids, token_type_ids)
+        for layer in self.layers:
+            hidden = layer(hidden, mask)
+        output = {"mlm_logits": self.lm_head(hidden if masked_tokens is None else hidden[masked_tokens])}
+        if self.nsp:
+            output["nsp_logits"] = self.nsp_head(torch.tanh(self.pooler(hidden[:, 0])))
+        return output
+
+
+def _arch(hidden_size: int, num_hidden_layers: int, num_attention_heads: int) -> dict[str, int]:
+    return {"hidden_size": hidden_size, "num_hidden_layers": num_hidden_layers,
+            "num_attention_heads": num_attention_heads, "intermediate_size": 4 * hidden_size}
+
+
+@register_model_architecture("bert", "bert_tiny")
+def bert_tiny() -> dict[str, int]:
+    return _arch(128, 2, 2)
+
+
+@register_model_architecture("bert", "bert_mini")
+def bert_mini() -> dict[str, int]:
+    return _arch(256, 4, 4)
+
+
+@register_model_architecture("bert", "bert_small")
+def bert_small() -> dict[str, int]:
+    return _arch(512, 4, 8)
+
+
+@register_model_architecture("bert", "bert_base")
+def bert_base() -> dict[str, int]:
+    return _arch(768, 12, 12)
+
+
+@register_model_architecture("bert", "bert_large")
+def bert_large() -> dict[str, int]:
+    return _arch(1024, 24, 16)

@@ -1,0 +1,254 @@
+"""Turn raw text into the binary splits and vocabulary that the ``bert`` task reads.
+
+Input: one sentence (or paragraph) per line, a blank line between documents,
+plain or ``.gz``. Output in ``--destdir``: ``SPLIT.bin`` / ``SPLIT.idx`` per
+split (see :mod:`hetfair.data.indexed_dataset`), the vocabulary file, and
+``preprocess.json`` recording which tokenizer made them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import io
+import json
+import multiprocessing
+import os
+import shutil
+from collections import deque
+from contextlib import contextmanager
+from dataclasses import asdict
+from itertools import chain, islice
+from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
+
+import numpy as np
+from tqdm import tqdm
+
+from hetfair.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab
+from hetfair.data.tokenizer import (
+    TOKENIZER_KINDS,
+    VOCAB_FILE_NAMES,
+    Tokenizer,
+    TokenizerSpec,
+    check_same_vocabulary,
+    load_tokenizer,
+    train_tokenizer,
+)
+from hetfair.errors import ConfigError, DataError
+
+METADATA_FILE = "preprocess.json"
+SPLIT_FLAGS = {"train": "trainpref", "valid": "validpref", "test": "testpref"}
+_LINES_PER_CHUNK = 2000
+T = TypeVar("T")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetfair-preprocess",
+        description="Tokenize raw text (one sentence per line, blank line between documents; .gz accepted) "
+                    "into memory-mapped binary splits for the bert task.",
+        allow_abbrev=False,
+    )
+    for split, flag in SPLIT_FLAGS.items():
+        parser.add_argument(f"--{flag}", metavar="FILE", help=f"raw text of the {split} split")
+    parser.add_argument("--destdir", default="data-bin", metavar="DIR", help="output directory")
+    vocab = parser.add_mutually_exclusive_group()
+    vocab.add_argument("--dict", metavar="VOCAB_TXT", help="existing BERT WordPiece vocabulary (one token per line)")
+    vocab.add_argument("--sentencepiece-model", metavar="MODEL", help="existing sentencepiece model")
+    vocab.add_argument("--tokenizer", choices=TOKENIZER_KINDS, help="train a new vocabulary of this kind on --trainpref")
+    parser.add_argument("--vocab-size", type=int, default=30522, metavar="N", help="size of a trained vocabulary")
+    parser.add_argument("--lowercase", action=argparse.BooleanOptionalAction, default=None,
+                        help="lowercase and strip accents (WordPiece; default on) or case-fold (trained sentencepiece)")
+    parser.add_argument("--character-coverage", type=float, default=0.9995, metavar="FRACTION",
+                        help="characters a trained sentencepiece vocabulary covers (1.0 for small alphabets)")
+    parser.add_argument("--workers", type=int, default=1, metavar="N", help="tokenizing processes")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    return parser
+
+
+def preprocess(args: argparse.Namespace) -> dict[str, Any]:
+    """Write every requested split and the vocabulary into ``args.destdir``; return the metadata."""
+    splits = {split: getattr(args, flag) for split, flag in SPLIT_FLAGS.items() if getattr(args, flag)}
+    if not splits:
+        raise ConfigError("nothing to do: give at least one of --trainpref, --validpref, --testpref")
+    for path in splits.values():
+        if not os.path.isfile(path):
+            raise DataError(f"input file {path} does not exist")
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be at least 1, got {args.workers}")
+    os.makedirs(args.destdir, exist_ok=True)
+    spec = _vocabulary_in_destdir(args, splits)
+    tokenizer = load_tokenizer(spec)
+    metadata = _read_metadata(args.destdir) or {"splits": {}}
+    metadata["tokenizer"] = {**asdict(spec), "path": os.path.basename(spec.path)}
+    metadata["vocab_size"] = len(tokenizer.vocab)
+    for split, path in splits.items():
+        metadata["splits"][split] = binarize(path, os.path.join(args.destdir, split), tokenizer, args.workers)
+        stats = metadata["splits"][split]
+        print(f"{split}: {stats['documents']} documents, {stats['sentences']} sentences, {stats['tokens']} tokens "
+              f"({100 * stats['unk'] / max(stats['tokens'], 1):.2f}% [UNK]) -> {os.path.join(args.destdir, split)}.bin")
+    with open(os.path.join(args.destdir, METADATA_FILE), "w") as f:
+        json.dump(metadata, f, indent=2)
+    return metadata
+
+
+def destdir_tokenizer_spec(destdir: str) -> TokenizerSpec:
+    """The tokenizer a preprocessed directory was made with."""
+    metadata = _read_metadata(destdir)
+    if metadata is None:
+        raise DataError(f"{destdir} is not a hetfair-preprocess output (no {METADATA_FILE}); run hetfair-preprocess")
+    fields = metadata["tokenizer"]
+    return TokenizerSpec(fields["kind"], os.path.join(destdir, fields["path"]), fields["lowercase"])
+
+
+def _vocabulary_in_destdir(args: argparse.Namespace, splits: dict[str, str]) -> TokenizerSpec:
+    """Copy, reuse or train the vocabulary so that it lives in ``destdir``; return its spec."""
+    existing = destdir_tokenizer_spec(args.destdir) if _read_metadata(args.destdir) else None
+    given = _given_spec(args)
+    if given is None and existing is None:
+        if args.tokenizer is None:
+            raise ConfigError("choose a vocabulary: --dict VOCAB_TXT, --sentencepiece-model MODEL, "
+                              "or --tokenizer wordpiece|sentencepiece --vocab-size N to train one")
+        if "train" not in splits:
+            raise ConfigError("--tokenizer trains a vocabulary on the training text: give --trainpref")
+        lowercase = True if args.lowercase is None else args.lowercase
+        with _open_text(splits["train"]) as (lines, _):
+            return train_tokenizer(args.tokenizer, _nonblank(lines), args.vocab_size, lowercase, args.destdir,
+                                   args.character_coverage)
+    if given is None:
+        assert existing is not None
+        if args.tokenizer is not None:
+            raise ConfigError(f"{args.destdir} already holds a vocabulary ({existing.path}); drop --tokenizer "
+                              "to reuse it, or use a fresh --destdir")
+        if args.lowercase is not None and existing.kind == "wordpiece" and args.lowercase != existing.lowercase:
+            raise ConfigError(f"{args.destdir} was made with lowercase={existing.lowercase}; "
+                              "use a fresh --destdir to change casing")
+        return existing
+    given_tokenizer = load_tokenizer(given)
+    if existing is not None:
+        check_same_vocabulary(given_tokenizer, load_tokenizer(existing))
+    target = os.path.join(args.destdir, VOCAB_FILE_NAMES[given.kind])
+    if not os.path.exists(target) or not os.path.samefile(given.path, target):
+        shutil.copyfile(given.path, target)
+    return TokenizerSpec(given.kind, target, given.lowercase)
+
+
+def _given_spec(args: argparse.Namespace) -> TokenizerSpec | None:
+    if args.dict:
+        return TokenizerSpec("wordpiece", args.dict, True if args.lowercase is None else args.lowercase)
+    if args.sentencepiece_model:
+        if args.lowercase is not None:
+            raise ConfigError("--lowercase/--no-lowercase do not apply to an existing sentencepiece model: "
+                              "its own normalisation decides casing")
+        return TokenizerSpec("sentencepiece", args.sentencepiece_model, False)
+    return None
+
+
+def _read_metadata(destdir: str) -> dict[str, Any] | None:
+    path = os.path.join(destdir, METADATA_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path} is corrupt ({exc}); rerun hetfair-preprocess into a fresh directory") from exc
+
+
+# -- binarizing ------------------------------------------------------------------
+
+
+def binarize(path: str, prefix: str, tokenizer: Tokenizer, workers: int) -> dict[str, Any]:
+    """Tokenize the text file ``path`` into ``prefix.bin`` / ``prefix.idx``; return counts."""
+    builder = IndexedDatasetBuilder(prefix, dtype_for_vocab(len(tokenizer.vocab)))
+    unk = 0
+    with _open_text(path) as (lines, progress), _encoded_chunks(lines, tokenizer, workers) as chunks:
+        for tokens, lengths in chunks:
+            unk += int(np.count_nonzero(tokens == tokenizer.vocab.unk))
+            start = 0
+            for length in lengths.tolist():
+                if length < 0:
+                    builder.end_document()
+                    continue
+                builder.add_sentence(tokens[start:start + length])
+                start += length
+            progress()
+    builder.finalize()
+    if builder.num_sentences == 0:
+        for suffix in (".bin", ".idx"):
+            os.remove(prefix + suffix)
+        raise DataError(f"{path} contains no text")
+    return {"source": os.path.abspath(path), "documents": builder.num_documents,
+            "sentences": builder.num_sentences, "tokens": builder.num_tokens, "unk": unk,
+            "dtype": builder.dtype.name}
+
+
+def encode_lines(tokenizer: Tokenizer, lines: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+    """Encode a chunk of lines: (all token ids back to back, length per line with -1 for a blank line)."""
+    stripped = [line.strip() for line in lines]
+    nonblank = [i for i, line in enumerate(stripped) if line]
+    ids = tokenizer.encode_batch([stripped[i] for i in nonblank])
+    lengths = np.full(len(lines), -1, dtype=np.int64)
+    lengths[nonblank] = [len(x) for x in ids]
+    tokens = np.fromiter(chain.from_iterable(ids), dtype=np.int64, count=int(lengths[nonblank].sum()))
+    return tokens, lengths
+
+
+# One tokenizer per worker process, built once by the pool initializer: sending it
+# with every chunk would reload the vocabulary for each chunk.
+_worker_tokenizer: Tokenizer | None = None
+
+
+def _init_worker(spec: TokenizerSpec) -> None:
+    global _worker_tokenizer
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # the processes are the parallelism
+    _worker_tokenizer = load_tokenizer(spec)
+
+
+def _encode_in_worker(lines: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    assert _worker_tokenizer is not None
+    return encode_lines(_worker_tokenizer, lines)
+
+
+@contextmanager
+def _encoded_chunks(lines: Iterable[str], tokenizer: Tokenizer, workers: int) -> Iterator[Iterator[Any]]:
+    chunks = iter(lambda: list(islice(lines, _LINES_PER_CHUNK)), [])
+    if workers == 1:
+        yield (encode_lines(tokenizer, chunk) for chunk in chunks)
+        return
+    with multiprocessing.get_context("spawn").Pool(workers, _init_worker, (tokenizer.spec,)) as pool:
+        yield _ordered_map(pool, _encode_in_worker, chunks, max_pending=2 * workers)
+
+
+def _ordered_map(pool: Any, fn: Callable[[Any], T], items: Iterable[Any], max_pending: int) -> Iterator[T]:
+    """``pool.imap`` that reads ``items`` only ``max_pending`` ahead (bounded memory on huge files)."""
+    pending: deque = deque()
+    for item in items:
+        pending.append(pool.apply_async(fn, (item,)))
+        if len(pending) >= max_pending:
+            yield pending.popleft().get()
+    while pending:
+        yield pending.popleft().get()
+
+
+@contextmanager
+def _open_text(path: str) -> Iterator[tuple[Iterator[str], Callable[[], None]]]:
+    """Lines of a UTF-8 (optionally gzipped) file and a callback advancing a byte progress bar."""
+    with open(path, "rb") as raw, tqdm(total=os.path.getsize(path), unit="B", unit_scale=True,
+                                       desc=os.path.basename(path), disable=None, leave=False) as bar:
+        stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+        with io.TextIOWrapper(stream, encoding="utf-8") as text:
+            yield _checked_lines(text, path), lambda: bar.update(raw.tell() - bar.n)
+
+
+def _checked_lines(text: io.TextIOWrapper, path: str) -> Iterator[str]:
+    try:
+        yield from text
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start} of a read block") from exc
+    except (gzip.BadGzipFile, EOFError, OSError) as exc:
+        raise DataError(f"cannot read {path}: {exc}") from exc
+
+
+def _nonblank(lines: Iterable[str]) -> Iterator[str]:
+    return (line.strip() for line in lines if line.strip())

@@ -1,0 +1,88 @@
+"""The ``bert`` task: masked-LM (and optional next-sentence) pretraining on hetfair-preprocess output."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any, ClassVar
+
+from hetfair.data.bert_dataset import BertDataset, collate_bert
+from hetfair.data.indexed_dataset import IndexedDataset, dataset_exists
+from hetfair.data.masking import MaskingConfig
+from hetfair.data.tokenizer import (
+    Vocabulary,
+    check_same_vocabulary,
+    load_tokenizer,
+    spec_for_file,
+)
+from hetfair.errors import ConfigError, DataError
+from hetfair.preprocess import SPLIT_FLAGS, destdir_tokenizer_spec
+from hetfair.tasks import register_task
+from hetfair.tasks.task import Task
+
+
+@register_task("bert")
+class BertTask(Task):
+    """BERT pretraining. ``--data`` is a ``hetfair-preprocess`` output directory.
+
+    Defaults follow BERT: AdamW with a polynomial (linear) decay after warm-up,
+    so HetSeq's ``--lr --warmup-updates --total-num-update --weight-decay``
+    command means what it meant there.
+    """
+
+    option_defaults: ClassVar[dict[str, Any]] = {
+        "criterion": "masked_lm",
+        "arch": "bert_base",
+        "optimizer": "adamw",
+        "lr_scheduler": "polynomial_decay",
+    }
+
+    def __init__(self, args: argparse.Namespace, vocab: Vocabulary) -> None:
+        super().__init__(args)
+        self.vocab = vocab
+        self.masking = MaskingConfig(args.mask_prob, args.random_token_prob, args.leave_unmasked_prob)
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--dict", metavar="VOCAB",
+                            help="vocabulary (vocab.txt or sentencepiece .model); must match the one in --data")
+        parser.add_argument("--tokens-per-sample", type=int, default=128, metavar="N",
+                            help="longest sample in tokens, [CLS]/[SEP] included")
+        parser.add_argument("--nsp", action="store_true",
+                            help="next-sentence prediction: samples are [CLS] A [SEP] B [SEP] sentence pairs")
+        parser.add_argument("--mask-prob", type=float, default=0.15, metavar="P", help="share of tokens to predict")
+        parser.add_argument("--random-token-prob", type=float, default=0.1, metavar="P",
+                            help="share of predicted tokens replaced by a random token")
+        parser.add_argument("--leave-unmasked-prob", type=float, default=0.1, metavar="P",
+                            help="share of predicted tokens left unchanged")
+
+    @classmethod
+    def setup_task(cls, args: argparse.Namespace) -> "BertTask":
+        if not args.data:
+            raise ConfigError("the bert task needs --data DIR, a directory made by hetfair-preprocess")
+        if not os.path.isdir(args.data):
+            raise DataError(f"--data {args.data} is not a directory")
+        tokenizer = load_tokenizer(destdir_tokenizer_spec(args.data))
+        if args.dict:
+            given = load_tokenizer(spec_for_file(args.dict, tokenizer.spec.lowercase))
+            check_same_vocabulary(given, tokenizer)
+        return cls(args, tokenizer.vocab)
+
+    def load_dataset(self, split: str) -> BertDataset:
+        prefix = os.path.join(self.args.data, split)
+        if not dataset_exists(prefix):
+            flag = f"--{SPLIT_FLAGS[split]}" if split in SPLIT_FLAGS else "--trainpref/--validpref/--testpref"
+            raise DataError(f"no split '{split}' in {self.args.data} ({prefix}.bin/.idx); "
+                            f"create it with hetfair-preprocess {flag}")
+        return BertDataset(IndexedDataset(prefix), self.vocab, self.args.tokens_per_sample, self.masking,
+                           self.args.seed, self.args.nsp)
+
+    def begin_epoch(self, epoch: int) -> None:
+        """Redraw the training masks; validation splits keep epoch 1's so their losses compare across epochs."""
+        self.dataset(self.args.train_subset).set_epoch(epoch)
+
+    def collater(self, samples: list[Any]) -> dict[str, Any]:
+        return collate_bert(samples, self.vocab.pad)
+
+    def max_positions(self) -> int:
+        return self.args.tokens_per_sample
