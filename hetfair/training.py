@@ -327,7 +327,9 @@ class TrainingRun:
                                     "global_batch": self.global_batch_size, "train_samples": len(self.train_data)},
                           self.position.epoch, self.trainer.num_updates)
         caps = ", ".join(f"rank {r}: {c}" for r, c in enumerate(self.caps))
-        self.progress.info(f"setup | model {self.args.arch} ({type(model).__name__}) | task {self.args.task} | "
+        config_file = getattr(self.args, "config_file", None)  # e.g. BERT's config decides the size
+        shape = f"config {config_file}" if config_file else f"arch {self.args.arch}"
+        self.progress.info(f"setup | model {self.args.model} ({shape}) | task {self.args.task} | "
                              f"per-rank batch {caps} | device {self.context.device}")
 
 
