@@ -23,13 +23,8 @@ from torch import nn
 from helpers import final_parameters, free_port, run_nodes
 from hetfair.checkpoint import load_checkpoint
 from hetfair.distributed.context import DistributedContext
-from hetfair.distributed.zero import (
-    ShardedOptimizer,
-    full_state_dict,
-    optimizer_state_bytes,
-    parse_shard_weights,
-    weighted_partition,
-)
+from hetfair.distributed.zero import full_state_dict, optimizer_state_bytes, parse_shard_weights
+from hetfair.distributed.zero_optimizer import ShardedOptimizer, weighted_partition
 from hetfair.errors import ConfigError
 from hetfair_cli.train import main as train_main
 from toy_plugin import Blobs, ToyMLP
