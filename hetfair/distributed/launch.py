@@ -143,6 +143,8 @@ def _run_process(index: int, args: argparse.Namespace, plan: LaunchPlan, train_f
             ) from exc
         raise
     if dist.is_initialized():
+        # nobody leaves before everyone is done: rank 0 hosts the store the others still hold
+        dist.barrier()
         dist.destroy_process_group()
 
 
