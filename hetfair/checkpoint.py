@@ -12,7 +12,7 @@ from typing import Any, Optional
 
 import torch
 
-from hetfair.errors import CheckpointError
+from hetfair.errors import CheckpointError, first_line
 
 FORMAT_VERSION = 1
 
@@ -68,15 +68,11 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a hetfair checkpoint: {_first_line(exc)}") from exc
+        raise CheckpointError(f"checkpoint {path} is corrupt or not a hetfair checkpoint: {first_line(exc)}") from exc
     if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION or "trainer" not in state:
         raise CheckpointError(f"checkpoint {path} is not a hetfair checkpoint (format {FORMAT_VERSION})")
     return state
 
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 class CheckpointManager:

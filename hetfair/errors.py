@@ -47,3 +47,9 @@ class DistributedError(HetfairError):
 
 class DivergenceError(HetfairError):
     """Training produced non-finite gradients."""
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message (its type name when empty), for one-line errors."""
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else type(exc).__name__

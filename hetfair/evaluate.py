@@ -11,7 +11,7 @@ from torch.utils.data import DataLoader
 
 from hetfair.checkpoint import load_checkpoint
 from hetfair.criteria.criterion import HetfairCriterion
-from hetfair.errors import CheckpointError
+from hetfair.errors import CheckpointError, first_line
 from hetfair.plugins import import_user_dir
 from hetfair.tasks import TASK_REGISTRY
 from hetfair.utils import move_to_device
@@ -38,7 +38,7 @@ def evaluate_checkpoint(path: Path, subset: str, overrides: dict[str, Any]) -> d
     try:
         model.load_state_dict(state["trainer"]["model"])
     except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint {path} does not fit the model it names: {str(exc).splitlines()[0]}") from exc
+        raise CheckpointError(f"checkpoint {path} does not fit the model it names: {first_line(exc)}") from exc
     criterion = task.build_criterion(args)
     return evaluate(task.dataset(subset), task.collater, model.to(device), criterion.to(device), args, device)
 

@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.stats import sync_stats
 from hetfair.distributed.zero import build_optimizer, full_state_dict
-from hetfair.errors import CheckpointError, DivergenceError
+from hetfair.errors import CheckpointError, DivergenceError, first_line
 from hetfair.optim import LR_SCHEDULER_REGISTRY
 from hetfair.tasks import Task
 from hetfair.utils import derived_seed, move_to_device
@@ -185,7 +185,7 @@ class Trainer:
         try:
             self.model.load_state_dict(state["model"])
         except RuntimeError as exc:
-            raise CheckpointError(f"checkpoint does not fit this model: {_first_line(exc)}") from exc
+            raise CheckpointError(f"checkpoint does not fit this model: {first_line(exc)}") from exc
         self.num_updates = int(state["num_updates"])
         if not reset_optimizer:
             if state.get("optimizer_name") != self.args.optimizer:
@@ -196,7 +196,7 @@ class Trainer:
             try:
                 self.optimizer.load_state_dict(state["optimizer"])
             except (ValueError, KeyError, IndexError, RuntimeError) as exc:
-                raise CheckpointError(f"optimizer state does not fit: {_first_line(exc)}; "
+                raise CheckpointError(f"optimizer state does not fit: {first_line(exc)}; "
                                       f"pass --reset-optimizer to start it afresh") from exc
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.lr_scheduler.step_update(self.num_updates)
@@ -225,7 +225,3 @@ def _accumulate(totals: dict[str, Any], logs: dict[str, Any]) -> None:
         else:
             totals[key] = value
 
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__

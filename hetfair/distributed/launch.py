@@ -28,7 +28,7 @@ import torch.multiprocessing as mp
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.rendezvous import check_in, create_store
 from hetfair.distributed.slurm import first_host, in_slurm_job
-from hetfair.errors import ConfigError, DistributedError, HetfairError
+from hetfair.errors import ConfigError, DistributedError, HetfairError, first_line
 from hetfair.plugins import import_user_dir
 
 TrainFunction = Callable[[argparse.Namespace, DistributedContext], None]
@@ -138,7 +138,7 @@ def _run_process(index: int, args: argparse.Namespace, plan: LaunchPlan, train_f
         # no orderly group shutdown here: it would wait for the peer that is gone
         if context.is_distributed and _looks_like_lost_peer(exc):
             raise DistributedError(
-                f"rank {context.rank} lost contact with the other ranks ({_first_line(exc)}); "
+                f"rank {context.rank} lost contact with the other ranks ({first_line(exc)}); "
                 f"a process probably died or stalled longer than --distributed-timeout"
             ) from exc
         raise
@@ -185,10 +185,6 @@ def _looks_like_lost_peer(exc: BaseException) -> bool:
     text = str(exc).lower()
     return any(marker in text for marker in _LOST_PEER_MARKERS)
 
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
 
 
 def _last_line(text: str) -> str:

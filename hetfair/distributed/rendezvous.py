@@ -15,7 +15,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from hetfair.errors import DistributedError
+from hetfair.errors import DistributedError, first_line
 
 _WORLD_SIZE_KEY = "hetfair/world_size"
 _ARRIVED_KEY = "hetfair/arrived"
@@ -41,7 +41,7 @@ def create_store(init_method: str, rank: int, world_size: int, timeout: float) -
         except RuntimeError as exc:
             role = "listen on" if rank == 0 else "reach rank 0 at"
             raise DistributedError(
-                f"rank {rank} could not {role} {url.hostname}:{url.port} within {timeout:.0f}s: {_first_line(exc)}"
+                f"rank {rank} could not {role} {url.hostname}:{url.port} within {timeout:.0f}s: {first_line(exc)}"
             ) from exc
     if url.scheme == "file":
         path = url.path
@@ -62,7 +62,7 @@ def check_in(store: dist.Store, rank: int, world_size: int, timeout: float) -> N
             expected = int(store.get(_WORLD_SIZE_KEY))
         except RuntimeError as exc:
             raise DistributedError(
-                f"rank {rank}: rank 0 did not appear within {timeout:.0f}s ({_first_line(exc)}); "
+                f"rank {rank}: rank 0 did not appear within {timeout:.0f}s ({first_line(exc)}); "
                 f"start rank 0's command or check --distributed-init-method"
             ) from exc
         if expected != world_size:
@@ -87,7 +87,3 @@ def check_in(store: dist.Store, rank: int, world_size: int, timeout: float) -> N
             )
         time.sleep(0.05)
 
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return text[0] if text else type(exc).__name__
