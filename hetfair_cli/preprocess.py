@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hetfair.preprocess import build_parser, preprocess
+from hetfair.bert.preprocess import build_parser, preprocess
 from hetfair_cli.errors import run_cli
 
 

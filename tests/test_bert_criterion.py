@@ -8,8 +8,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hetfair.criteria.masked_lm import MaskedLmCriterion
-from hetfair.models.bert import BertConfig, BertModel
+from hetfair.bert.criterion import MaskedLmCriterion
+from hetfair.bert.model import BertConfig, BertModel
 
 VOCAB = 40
 

@@ -9,16 +9,16 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from hetfair.data.bert_dataset import (
+from hetfair.bert.dataset import (
     IS_NEXT,
     NOT_NEXT,
     BertDataset,
     build_blocks,
     collate_bert,
 )
-from hetfair.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
-from hetfair.data.masking import MaskingConfig
-from hetfair.data.tokenizer import SPECIAL_TOKENS, Vocabulary
+from hetfair.bert.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from hetfair.bert.masking import MaskingConfig
+from hetfair.bert.tokenizer import SPECIAL_TOKENS, Vocabulary
 
 VOCAB = Vocabulary.from_tokens(list(SPECIAL_TOKENS) + [f"w{i}" for i in range(995)], "test")
 SPECIAL_IDS = set(VOCAB.special_ids)

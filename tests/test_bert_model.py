@@ -12,7 +12,7 @@ from bert_helpers import make_data_dir, write_bert_config
 from torch import nn
 
 from hetfair.errors import ConfigError
-from hetfair.models.bert import BertConfig, BertLayer, BertModel
+from hetfair.bert.model import BertConfig, BertLayer, BertModel
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY
 

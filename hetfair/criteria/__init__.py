@@ -1,4 +1,7 @@
-"""Criterion registry; built-in criteria live in this package."""
+"""Criterion registry; built-in criteria live in this package.
+
+hetfair's own ``masked_lm`` is an entry point instead (see :mod:`hetfair.bert`).
+"""
 
 from hetfair.criteria.criterion import HetfairCriterion, LoggingOutput
 from hetfair.registry import Registry
@@ -7,7 +10,7 @@ CRITERION_REGISTRY: Registry[type[HetfairCriterion]] = Registry(
     "criterion",
     HetfairCriterion,
     entry_point_group="hetfair.criteria",
-    builtin_modules=["hetfair.criteria.cross_entropy", "hetfair.criteria.masked_lm"],
+    builtin_modules=["hetfair.criteria.cross_entropy"],
 )
 register_criterion = CRITERION_REGISTRY.register
 

@@ -4,6 +4,11 @@ An *architecture* is a named preset of a model's hyper-parameters: a function
 returning a dict of option defaults, registered with
 ``@register_model_architecture(model_name, arch_name)`` and chosen with
 ``--arch``. Every model name is also usable as ``--arch`` (its own defaults).
+
+Models and architectures of installed distributions are entry points
+(``hetfair.models`` and ``hetfair.archs``), imported only when chosen; an
+architecture declared as an entry point is listed before its module is imported.
+hetfair's own BERT family is registered this way (see :mod:`hetfair.bert`).
 """
 
 from __future__ import annotations
@@ -16,10 +21,8 @@ from hetfair.registry import Registry
 
 ArchFunction = Callable[[], dict[str, Any]]
 
-MODEL_REGISTRY: Registry[type[HetfairModel]] = Registry(
-    "model", HetfairModel, entry_point_group="hetfair.models", builtin_modules=["hetfair.models.bert"]
-)
-ARCH_REGISTRY: Registry[ArchFunction] = Registry("arch", None)
+MODEL_REGISTRY: Registry[type[HetfairModel]] = Registry("model", HetfairModel, entry_point_group="hetfair.models")
+ARCH_REGISTRY: Registry[ArchFunction] = Registry("arch", None, entry_point_group="hetfair.archs")
 _ARCH_MODEL: dict[str, str] = {}
 
 register_model = MODEL_REGISTRY.register
@@ -51,8 +54,9 @@ def resolve_arch(arch: str) -> tuple[str, dict[str, Any]]:
         MODEL_REGISTRY.get(arch)  # importing a plugin model may register its archs
         if arch not in ARCH_REGISTRY.names():
             return arch, {}
+    arch_fn = ARCH_REGISTRY.get(arch)  # imports the module of an arch entry point, which registers it
     model_name = _ARCH_MODEL[arch]
-    defaults = ARCH_REGISTRY.get(arch)()
+    defaults = arch_fn()
     if not isinstance(defaults, dict):
         raise ConfigError(f"architecture '{arch}' must return a dict of option defaults, got {type(defaults).__name__}")
     return model_name, defaults

@@ -2,8 +2,8 @@
 
 Input: one sentence (or paragraph) per line, a blank line between documents,
 plain or ``.gz``. Output in ``--destdir``: ``SPLIT.bin`` / ``SPLIT.idx`` per
-split (see :mod:`hetfair.data.indexed_dataset`), the vocabulary file, and
-``preprocess.json`` recording which tokenizer made them.
+split, the vocabulary file, and ``preprocess.json`` recording which tokenizer
+made them (see :mod:`hetfair.bert.data_dir`).
 """
 
 from __future__ import annotations
@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import gzip
 import io
-import json
 import multiprocessing
 import os
 import shutil
@@ -24,8 +23,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 import numpy as np
 from tqdm import tqdm
 
-from hetfair.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab
-from hetfair.data.tokenizer import (
+from hetfair.bert.data_dir import SPLIT_FLAGS, destdir_tokenizer_spec, read_metadata, write_metadata
+from hetfair.bert.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab
+from hetfair.bert.tokenizer import (
     TOKENIZER_KINDS,
     VOCAB_FILE_NAMES,
     Tokenizer,
@@ -36,8 +36,6 @@ from hetfair.data.tokenizer import (
 )
 from hetfair.errors import ConfigError, DataError
 
-METADATA_FILE = "preprocess.json"
-SPLIT_FLAGS = {"train": "trainpref", "valid": "validpref", "test": "testpref"}
 _LINES_PER_CHUNK = 2000
 T = TypeVar("T")
 
@@ -79,7 +77,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, Any]:
     os.makedirs(args.destdir, exist_ok=True)
     spec = _vocabulary_in_destdir(args, splits)
     tokenizer = load_tokenizer(spec)
-    metadata = _read_metadata(args.destdir) or {"splits": {}}
+    metadata = read_metadata(args.destdir) or {"splits": {}}
     metadata["tokenizer"] = {**asdict(spec), "path": os.path.basename(spec.path)}
     metadata["vocab_size"] = len(tokenizer.vocab)
     for split, path in splits.items():
@@ -87,23 +85,13 @@ def preprocess(args: argparse.Namespace) -> dict[str, Any]:
         stats = metadata["splits"][split]
         print(f"{split}: {stats['documents']} documents, {stats['sentences']} sentences, {stats['tokens']} tokens "
               f"({100 * stats['unk'] / max(stats['tokens'], 1):.2f}% [UNK]) -> {os.path.join(args.destdir, split)}.bin")
-    with open(os.path.join(args.destdir, METADATA_FILE), "w") as f:
-        json.dump(metadata, f, indent=2)
+    write_metadata(args.destdir, metadata)
     return metadata
-
-
-def destdir_tokenizer_spec(destdir: str) -> TokenizerSpec:
-    """The tokenizer a preprocessed directory was made with."""
-    metadata = _read_metadata(destdir)
-    if metadata is None:
-        raise DataError(f"{destdir} is not a hetfair-preprocess output (no {METADATA_FILE}); run hetfair-preprocess")
-    fields = metadata["tokenizer"]
-    return TokenizerSpec(fields["kind"], os.path.join(destdir, fields["path"]), fields["lowercase"])
 
 
 def _vocabulary_in_destdir(args: argparse.Namespace, splits: dict[str, str]) -> TokenizerSpec:
     """Copy, reuse or train the vocabulary so that it lives in ``destdir``; return its spec."""
-    existing = destdir_tokenizer_spec(args.destdir) if _read_metadata(args.destdir) else None
+    existing = destdir_tokenizer_spec(args.destdir) if read_metadata(args.destdir) else None
     given = _given_spec(args)
     if given is None and existing is None:
         if args.tokenizer is None:
@@ -142,17 +130,6 @@ def _given_spec(args: argparse.Namespace) -> TokenizerSpec | None:
                               "its own normalisation decides casing")
         return TokenizerSpec("sentencepiece", args.sentencepiece_model, False)
     return None
-
-
-def _read_metadata(destdir: str) -> dict[str, Any] | None:
-    path = os.path.join(destdir, METADATA_FILE)
-    if not os.path.isfile(path):
-        return None
-    try:
-        with open(path) as f:
-            return json.load(f)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise DataError(f"{path} is corrupt ({exc}); rerun hetfair-preprocess into a fresh directory") from exc
 
 
 # -- binarizing ------------------------------------------------------------------

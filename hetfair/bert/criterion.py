@@ -28,8 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from hetfair.criteria import register_criterion
+from hetfair.bert.masking import IGNORE_INDEX
 from hetfair.criteria.criterion import HetfairCriterion, LoggingOutput
-from hetfair.data.masking import IGNORE_INDEX
 
 
 @register_criterion("masked_lm")

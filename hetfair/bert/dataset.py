@@ -15,9 +15,9 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hetfair.data.indexed_dataset import IndexedDataset
-from hetfair.data.masking import IGNORE_INDEX, MaskingConfig, mask_tokens
-from hetfair.data.tokenizer import Vocabulary
+from hetfair.bert.indexed_dataset import IndexedDataset
+from hetfair.bert.masking import IGNORE_INDEX, MaskingConfig, mask_tokens
+from hetfair.bert.tokenizer import Vocabulary
 from hetfair.errors import ConfigError, DataError
 
 IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as in Google's BERT and Hugging Face

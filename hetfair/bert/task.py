@@ -6,17 +6,17 @@ import argparse
 import os
 from typing import Any, ClassVar
 
-from hetfair.data.bert_dataset import BertDataset, collate_bert
-from hetfair.data.indexed_dataset import IndexedDataset, dataset_exists
-from hetfair.data.masking import MaskingConfig
-from hetfair.data.tokenizer import (
+from hetfair.bert.data_dir import SPLIT_FLAGS, destdir_tokenizer_spec
+from hetfair.bert.dataset import BertDataset, collate_bert
+from hetfair.bert.indexed_dataset import IndexedDataset, dataset_exists
+from hetfair.bert.masking import MaskingConfig
+from hetfair.bert.tokenizer import (
     Vocabulary,
     check_same_vocabulary,
     load_tokenizer,
     spec_for_file,
 )
 from hetfair.errors import ConfigError, DataError
-from hetfair.preprocess import SPLIT_FLAGS, destdir_tokenizer_spec
 from hetfair.tasks import register_task
 from hetfair.tasks.task import Task
 

@@ -1,0 +1,46 @@
+"""The directory ``hetfair-preprocess`` writes and the ``bert`` task reads.
+
+It holds ``SPLIT.bin`` / ``SPLIT.idx`` per split (see
+:mod:`hetfair.bert.indexed_dataset`), the vocabulary file, and
+:data:`METADATA_FILE` recording which tokenizer made them and what each split
+contains.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from hetfair.bert.tokenizer import TokenizerSpec
+from hetfair.errors import DataError
+
+METADATA_FILE = "preprocess.json"
+# Split name -> the hetfair-preprocess flag (without "--") that creates it.
+SPLIT_FLAGS = {"train": "trainpref", "valid": "validpref", "test": "testpref"}
+
+
+def read_metadata(destdir: str) -> dict[str, Any] | None:
+    """The metadata of ``destdir``, or ``None`` when it has none (not a preprocessed directory yet)."""
+    path = os.path.join(destdir, METADATA_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            return json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise DataError(f"{path} is corrupt ({exc}); rerun hetfair-preprocess into a fresh directory") from exc
+
+
+def write_metadata(destdir: str, metadata: dict[str, Any]) -> None:
+    with open(os.path.join(destdir, METADATA_FILE), "w") as f:
+        json.dump(metadata, f, indent=2)
+
+
+def destdir_tokenizer_spec(destdir: str) -> TokenizerSpec:
+    """The tokenizer a preprocessed directory was made with."""
+    metadata = read_metadata(destdir)
+    if metadata is None:
+        raise DataError(f"{destdir} is not a hetfair-preprocess output (no {METADATA_FILE}); run hetfair-preprocess")
+    fields = metadata["tokenizer"]
+    return TokenizerSpec(fields["kind"], os.path.join(destdir, fields["path"]), fields["lowercase"])
