@@ -102,7 +102,7 @@ def trainer_step(args, task, dummy: dict) -> Step:
     torch.manual_seed(args.seed)
     model, criterion = task.build_model(args), task.build_criterion(args)
     context = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    trainer = Trainer(args, task, model, criterion, context, dummy)
+    trainer = Trainer.from_args(args, model, criterion, context, dummy)
     return lambda sample: trainer.train_step([sample])
 
 

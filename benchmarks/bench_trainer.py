@@ -137,8 +137,8 @@ def build_contenders(arch: str, args: argparse.Namespace) -> tuple[Contender, Co
     plain = plain_model(arch)
     plain.load_state_dict(model.state_dict())
     context = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    trainer = Trainer(options, task, model, task.build_criterion(options), context,
-                      dummy_batch(dataset, task.collater))
+    trainer = Trainer.from_args(options, model, task.build_criterion(options), context,
+                                dummy_batch(dataset, task.collater))
 
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(SEED)).tolist()
     pool = [task.collater([dataset[i] for i in order[k * args.batch_size:(k + 1) * args.batch_size]])

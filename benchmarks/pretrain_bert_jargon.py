@@ -26,10 +26,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hetfair.data.indexed_dataset import IndexedDataset
-from hetfair.evaluate import evaluate
+from hetfair.bert.indexed_dataset import IndexedDataset
+from hetfair.distributed.context import DistributedContext
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY
+from hetfair.validation import Validator
 from hetfair_cli.preprocess import main as preprocess_main
 
 JARGON = Path("/usr/share/doc/jargon-text/jargon.txt.gz")
@@ -58,7 +59,8 @@ def initial_validation(train_args: list[str]) -> dict[str, float]:
     task = TASK_REGISTRY.get("bert").setup_task(args)
     torch.manual_seed(args.seed)
     model, criterion = task.build_model(args), task.build_criterion(args)
-    return evaluate(task.dataset("valid"), task.collater, model, criterion, args, torch.device("cpu"))
+    context = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    return Validator(task, model, criterion, context, [args.max_sentences]).metrics("valid")
 
 
 def unigram_bits(data_dir: Path) -> float:

@@ -1,4 +1,22 @@
-"""Checkpoints: atomic writes, safe loading, last/best/epoch/update files and pruning."""
+"""The one owner of the checkpoint layout: composed from stateful parts, written atomically, loaded safely.
+
+A checkpoint is one ``torch.save`` dict with these top-level keys (format 2)::
+
+    format_version  2
+    best_metric     best value so far of --best-checkpoint-metric (or None)
+    config          the training options as plain data (numbers, strings, lists)
+    trainer         model, optimizer (full, also when sharded), optimizer_name, lr_scheduler, num_updates
+    position        epoch (1-based) and samples_done in it
+    clock           wall_seconds of training so far, over all runs of the job
+    epoch_stats     the running training statistics of the current epoch
+    balance         the load balancer's split and measurements (only with --auto-balance)
+    rng             Python, numpy and torch generator states
+
+Each part but ``config`` and ``best_metric`` is the ``state_dict()`` of one stateful object
+(:class:`Stateful`); :class:`Checkpointer` composes them, and nothing else knows this layout.
+Older formats are migrated on load (:data:`MIGRATIONS`). Files are loaded with
+``torch.load(weights_only=True)``, so a checkpoint cannot run code.
+"""
 
 from __future__ import annotations
 
@@ -7,14 +25,43 @@ import os
 import re
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Mapping, Optional, Protocol
 
 import torch
 
-from hetfair.errors import CheckpointError, first_line
+from hetfair.errors import CheckpointError, ConfigError, first_line
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
+TRAINER = "trainer"
+DEFAULT_RESTORE_FILE = "checkpoint_last.pt"
+
+
+class Stateful(Protocol):
+    """A part of the training state that a checkpoint stores."""
+
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> Any: ...
+
+
+def _v1_to_v2(state: dict[str, Any]) -> dict[str, Any]:
+    """Format 1 kept wall time as a bare number, ``balance: None`` and per-rank stats under string keys."""
+    state = dict(state)
+    state["clock"] = {"wall_seconds": float(state.pop("wall", 0.0))}
+    if state.get("balance") is None:
+        state.pop("balance", None)
+    stats = dict(state.get("epoch_stats") or {})
+    per_rank = stats.pop("per_rank", {})
+    stats.setdefault("samples", list(per_rank.get("samples", [])))
+    stats.setdefault("compute_seconds", list(per_rank.get("compute_seconds", [])))
+    state["epoch_stats"] = stats
+    return state
+
+
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v2}
+"""``MIGRATIONS[v]`` turns a format-``v`` checkpoint into format ``v + 1``."""
 
 
 def atomic_save(state: dict[str, Any], path: Path) -> None:
@@ -62,71 +109,151 @@ def _fsync_dir(directory: Path) -> None:
 
 
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Load a checkpoint with ``weights_only=True``; damage becomes a :class:`CheckpointError`."""
+    """Load a checkpoint with ``weights_only=True`` and migrate it to the current format.
+
+    Damage, a foreign file or a format from a newer hetfair becomes a :class:`CheckpointError`.
+    """
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointError(f"checkpoint {path} is corrupt or not a hetfair checkpoint: {first_line(exc)}") from exc
-    if not isinstance(state, dict) or state.get("format_version") != FORMAT_VERSION or "trainer" not in state:
+    version = state.get("format_version") if isinstance(state, dict) else None
+    if not isinstance(version, int) or TRAINER not in state:
         raise CheckpointError(f"checkpoint {path} is not a hetfair checkpoint (format {FORMAT_VERSION})")
+    if version > FORMAT_VERSION:
+        raise CheckpointError(f"checkpoint {path} has format {version}, newer than this hetfair's "
+                              f"{FORMAT_VERSION}; upgrade hetfair to read it")
+    while version < FORMAT_VERSION:
+        if version not in MIGRATIONS:
+            raise CheckpointError(f"checkpoint {path} has format {version}, which this hetfair cannot read")
+        state = {**MIGRATIONS[version](state), "format_version": version + 1}
+        version += 1
     return state
 
 
+def stored_config(state: Mapping[str, Any]) -> dict[str, Any]:
+    """The training options a checkpoint was written with (plain data)."""
+    config = dict(state.get("config") or {})
+    if "task" not in config:
+        raise CheckpointError("checkpoint holds no training options; was it written by hetfair-train?")
+    return config
 
-class CheckpointManager:
-    """Decides which files to write after an epoch or update, writes them, prunes old ones."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
-        self.args = args
-        self.save_dir = Path(args.save_dir)
-        self.best_metric: Optional[float] = None
+def model_weights(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
+    """The model's ``state_dict`` inside a loaded checkpoint."""
+    return state[TRAINER]["model"]
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where checkpoints go, which are written and kept (the ``--save-*``/``--keep-*`` flags)."""
+
+    save_dir: Path
+    restore_file: str = DEFAULT_RESTORE_FILE
+    no_save: bool = False
+    save_interval: int = 1
+    save_interval_updates: int = 0
+    keep_interval_updates: int = -1
+    keep_last_epochs: int = -1
+    no_epoch_checkpoints: bool = False
+    maximize_best_checkpoint_metric: bool = False
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "CheckpointConfig":
+        return cls(Path(args.save_dir), args.restore_file, args.no_save, args.save_interval,
+                   args.save_interval_updates, args.keep_interval_updates, args.keep_last_epochs,
+                   args.no_epoch_checkpoints, args.maximize_best_checkpoint_metric)
 
     def restore_path(self) -> Path:
-        path = Path(self.args.restore_file)
+        path = Path(self.restore_file)
         return path if path.is_absolute() else self.save_dir / path
+
+
+class Checkpointer:
+    """Saves and restores the named stateful ``parts`` of a run; decides file names, prunes old files.
+
+    ``save`` is a collective (a sharded optimizer's state is gathered to rank 0): every rank
+    calls it, rank 0 writes. ``options`` are stored as the checkpoint's ``config``.
+    """
+
+    def __init__(self, config: CheckpointConfig, parts: Mapping[str, Stateful], options: Mapping[str, Any],
+                 is_master: bool) -> None:
+        if TRAINER not in parts:
+            raise ValueError(f"a checkpoint needs a '{TRAINER}' part")
+        self.config = config
+        self.parts = dict(parts)
+        self.options = dict(options)
+        self.is_master = is_master
+        self.best_metric: Optional[float] = None
+
+    # -- saving ---------------------------------------------------------------
+    def save(self, epoch: int, num_updates: int, end_of_epoch: bool, valid_metric: Optional[float]) -> None:
+        """Write the files due after ``epoch`` / ``num_updates`` (nothing with ``--no-save``)."""
+        if self.config.no_save:
+            return
+        state = {name: part.state_dict() for name, part in self.parts.items()}
+        if not self.is_master:
+            return
+        names = self.file_names(epoch, num_updates, end_of_epoch, valid_metric)
+        if valid_metric is not None and self.is_better(valid_metric):
+            self.best_metric = valid_metric
+        state.update(format_version=FORMAT_VERSION, best_metric=self.best_metric, config=self.options)
+        first = self.config.save_dir / names[0]
+        atomic_save(state, first)
+        for name in names[1:]:
+            atomic_copy(first, self.config.save_dir / name)
+        self.prune()
 
     def is_better(self, value: float) -> bool:
         if self.best_metric is None:
             return True
-        return value > self.best_metric if self.args.maximize_best_checkpoint_metric else value < self.best_metric
+        return value > self.best_metric if self.config.maximize_best_checkpoint_metric else value < self.best_metric
 
     def file_names(self, epoch: int, num_updates: int, end_of_epoch: bool, valid_metric: Optional[float]) -> list[str]:
         """The checkpoint files this save should produce, most specific first."""
-        args = self.args
+        config = self.config
         names = []
-        if end_of_epoch and not args.no_epoch_checkpoints and epoch % args.save_interval == 0:
+        if end_of_epoch and not config.no_epoch_checkpoints and epoch % config.save_interval == 0:
             names.append(f"checkpoint{epoch}.pt")
-        if not end_of_epoch and args.save_interval_updates > 0 and num_updates % args.save_interval_updates == 0:
+        if not end_of_epoch and config.save_interval_updates > 0 and num_updates % config.save_interval_updates == 0:
             names.append(f"checkpoint_{epoch}_{num_updates}.pt")
         if valid_metric is not None and self.is_better(valid_metric):
             names.append("checkpoint_best.pt")
         names.append("checkpoint_last.pt")
         return names
 
-    def save(self, state: dict[str, Any], names: list[str], valid_metric: Optional[float]) -> None:
-        """Write ``state`` once, copy it to the other names, then prune (master only)."""
-        if valid_metric is not None and self.is_better(valid_metric):
-            self.best_metric = valid_metric
-        state = {**state, "format_version": FORMAT_VERSION, "best_metric": self.best_metric}
-        first = self.save_dir / names[0]
-        atomic_save(state, first)
-        for name in names[1:]:
-            atomic_copy(first, self.save_dir / name)
-        self.prune()
-
     def prune(self) -> None:
-        if self.args.keep_interval_updates >= 0:
-            self._keep_newest(r"checkpoint_\d+_(\d+)\.pt", self.args.keep_interval_updates)
-        if self.args.keep_last_epochs >= 0:
-            self._keep_newest(r"checkpoint(\d+)\.pt", self.args.keep_last_epochs)
+        if self.config.keep_interval_updates >= 0:
+            self._keep_newest(r"checkpoint_\d+_(\d+)\.pt", self.config.keep_interval_updates)
+        if self.config.keep_last_epochs >= 0:
+            self._keep_newest(r"checkpoint(\d+)\.pt", self.config.keep_last_epochs)
 
     def _keep_newest(self, pattern: str, keep: int) -> None:
         found = []
-        for path in self.save_dir.iterdir():
+        for path in self.config.save_dir.iterdir():
             match = re.fullmatch(pattern, path.name)
             if match:
                 found.append((int(match.group(1)), path))
         for _, path in sorted(found, reverse=True)[keep:]:
             path.unlink(missing_ok=True)
+
+    # -- restoring --------------------------------------------------------------
+    def restore(self) -> Optional[Path]:
+        """Load ``--restore-file`` into the parts; ``None`` when there is nothing to resume.
+
+        A part the checkpoint lacks (e.g. ``balance`` of a run without ``--auto-balance``)
+        keeps its fresh state.
+        """
+        path = self.config.restore_path()
+        if not path.is_file():
+            if self.config.restore_file != DEFAULT_RESTORE_FILE:
+                raise ConfigError(f"--restore-file {path} does not exist")
+            return None
+        state = load_checkpoint(path)
+        for name, part in self.parts.items():
+            if name in state:
+                part.load_state_dict(state[name])
+        self.best_metric = state.get("best_metric")
+        return path

@@ -1,4 +1,4 @@
-"""Metrics of a saved checkpoint on one split (``hetfair-validate``)."""
+"""Metrics of a saved checkpoint on one split (``hetfair-validate``), computed as training validates."""
 
 from __future__ import annotations
 
@@ -7,27 +7,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader
 
-from hetfair.checkpoint import load_checkpoint
-from hetfair.criteria.criterion import HetfairCriterion
+from hetfair.checkpoint import load_checkpoint, model_weights, stored_config
+from hetfair.distributed.context import DistributedContext
 from hetfair.errors import CheckpointError, first_line
 from hetfair.plugins import import_user_dir
 from hetfair.tasks import TASK_REGISTRY
-from hetfair.utils import move_to_device
+from hetfair.validation import Validator
 
 
 def config_from_checkpoint(state: dict[str, Any], overrides: dict[str, Any]) -> argparse.Namespace:
     """The training options stored in the checkpoint, with ``overrides`` applied."""
-    config = dict(state.get("config") or {})
-    if "task" not in config:
-        raise CheckpointError("checkpoint holds no training options; was it written by hetfair-train?")
+    config = stored_config(state)
     config.update({key: value for key, value in overrides.items() if value is not None})
     return argparse.Namespace(**config)
 
 
 def evaluate_checkpoint(path: Path, subset: str, overrides: dict[str, Any]) -> dict[str, float]:
-    """Load the model of ``path`` and return the criterion's metrics on ``subset``."""
+    """Load the model of ``path`` and return the criterion's metrics on ``subset`` (one process)."""
     state = load_checkpoint(path)
     args = config_from_checkpoint(state, overrides)
     if args.user_dir:
@@ -36,27 +33,11 @@ def evaluate_checkpoint(path: Path, subset: str, overrides: dict[str, Any]) -> d
     task = TASK_REGISTRY.get(args.task).setup_task(args)
     model = task.build_model(args)
     try:
-        model.load_state_dict(state["trainer"]["model"])
+        model.load_state_dict(model_weights(state))
     except RuntimeError as exc:
         raise CheckpointError(f"checkpoint {path} does not fit the model it names: {first_line(exc)}") from exc
     criterion = task.build_criterion(args)
-    return evaluate(task.dataset(subset), task.collater, model.to(device), criterion.to(device), args, device)
-
-
-@torch.no_grad()
-def evaluate(dataset: Any, collater: Any, model: torch.nn.Module, criterion: HetfairCriterion,
-             args: argparse.Namespace, device: torch.device) -> dict[str, float]:
-    """Sum the criterion's logs over ``dataset`` and reduce them to metrics."""
-    model.eval()
-    criterion.eval()
+    context = DistributedContext(rank=0, world_size=1, local_rank=0, device=device)
     batch_size = args.max_sentences_valid or args.max_sentences or 32
-    loader = DataLoader(dataset, batch_size=batch_size, shuffle=False, collate_fn=collater,
-                        num_workers=args.num_workers)
-    totals: dict[str, float] = {}
-    for sample in loader:
-        _, sample_size, logs = criterion(model, move_to_device(sample, device))
-        for key, value in logs.items():
-            if isinstance(value, (int, float)) and key != "sample_size":
-                totals[key] = totals.get(key, 0.0) + float(value)
-        totals["sample_size"] = totals.get("sample_size", 0.0) + float(sample_size)
-    return criterion.reduce_metrics(totals)
+    validator = Validator(task, model.to(device), criterion.to(device), context, [batch_size], args.num_workers)
+    return validator.metrics(subset)

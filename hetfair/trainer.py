@@ -15,30 +15,36 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetfair.distributed.context import DistributedContext
-from hetfair.distributed.stats import sync_stats
-from hetfair.distributed.zero import build_optimizer, full_state_dict
+from hetfair.distributed.stats import UpdateResult, is_summable, sum_logs, sync_stats
+from hetfair.distributed.zero import ShardingConfig, build_optimizer, full_state_dict
 from hetfair.errors import CheckpointError, DivergenceError, first_line
-from hetfair.optim import LR_SCHEDULER_REGISTRY
-from hetfair.tasks import Task
+from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY, LRScheduler
 from hetfair.utils import derived_seed, move_to_device
 
 
-@dataclass
-class UpdateResult:
-    """What one update reports: summed logs, per-rank values and optimizer stats."""
+@dataclass(frozen=True)
+class TrainerConfig:
+    """The options one update depends on."""
 
-    totals: dict[str, Any]
-    per_rank: dict[str, list[float]]
-    lr: float
-    gnorm: float
-    clipped: bool
+    seed: int = 1
+    clip_norm: float = 0.0
+    """Clip gradients to this global norm (0: off)."""
+    find_unused_parameters: bool = False
+    optimizer: str = "adam"
+    """The optimizer's registry name, recorded in checkpoints."""
+    reset_optimizer: bool = False
+    """On restore, load the model only; optimizer and schedule start afresh."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "TrainerConfig":
+        return cls(args.seed, args.clip_norm, args.find_unused_parameters, args.optimizer, args.reset_optimizer)
 
 
 class _ComputeClock:
@@ -62,15 +68,15 @@ class Trainer:
 
     def __init__(
         self,
-        args: argparse.Namespace,
-        task: Task,
+        config: TrainerConfig,
         model: nn.Module,
         criterion: nn.Module,
         context: DistributedContext,
         dummy_batch: dict[str, Any],
+        optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
+        lr_scheduler_factory: Callable[[torch.optim.Optimizer], LRScheduler],
     ) -> None:
-        self.args = args
-        self.task = task
+        self.config = config
         self.context = context
         self.model = model.to(context.device)
         self.criterion = criterion.to(context.device)
@@ -80,14 +86,26 @@ class Trainer:
             self.wrapped_model = DistributedDataParallel(
                 self.model,
                 device_ids=[context.device.index] if context.device.type == "cuda" else None,
-                find_unused_parameters=args.find_unused_parameters,
+                find_unused_parameters=config.find_unused_parameters,
             )
-        self.optimizer = build_optimizer(args, self.params, context)
-        self.lr_scheduler = LR_SCHEDULER_REGISTRY.get(args.lr_scheduler)(args, self.optimizer)
+        self.optimizer = optimizer_factory(self.params)
+        self.lr_scheduler = lr_scheduler_factory(self.optimizer)
         self.num_updates = 0
         self.lr_scheduler.step_update(0)
         self._dummy_batch = dummy_batch
         self._clock = _ComputeClock(self.params)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace, model: nn.Module, criterion: nn.Module,
+                  context: DistributedContext, dummy_batch: dict[str, Any]) -> "Trainer":
+        """The trainer of ``args``: its ``--optimizer`` (sharded as ``--zero-sharding`` says) and ``--lr-scheduler``."""
+        recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
+        sharding = ShardingConfig.from_args(args)
+        return cls(
+            TrainerConfig.from_args(args), model, criterion, context, dummy_batch,
+            optimizer_factory=lambda params: build_optimizer(recipe, args, params, context, sharding),
+            lr_scheduler_factory=lambda optimizer: LR_SCHEDULER_REGISTRY.get(args.lr_scheduler)(args, optimizer),
+        )
 
     # -- training --------------------------------------------------------------
     def train_step(self, samples: list[Optional[dict[str, Any]]]) -> Optional[UpdateResult]:
@@ -105,7 +123,7 @@ class Trainer:
             is_last = index == len(samples) - 1
             if sample is None and not (is_last and self.context.is_distributed):
                 continue  # nothing to compute and no collective to join
-            _seed_rng(derived_seed(self.args.seed, self.num_updates, index, self.context.rank), self.context.device)
+            _seed_rng(derived_seed(self.config.seed, self.num_updates, index, self.context.rank), self.context.device)
             batch = move_to_device(sample if sample is not None else self._dummy_batch, self.context.device)
             sync = nullcontext() if is_last or not self.context.is_distributed else self.wrapped_model.no_sync()
             with sync:
@@ -119,8 +137,8 @@ class Trainer:
                 sample_size = 0
             else:
                 local_samples += int(batch["nsentences"])
-            _accumulate(totals, logs)
-            totals["sample_size"] = totals.get("sample_size", 0.0) + float(sample_size)
+            sum_logs(totals, {**logs, "sample_size": float(sample_size)})
+            totals.update((key, value) for key, value in logs.items() if not is_summable(value))
         compute_seconds = self._clock.last_grad_time - start
         totals.setdefault("sample_size", 0.0)
 
@@ -148,24 +166,16 @@ class Trainer:
         self.optimizer.step()
         self.num_updates += 1
         self.lr_scheduler.step_update(self.num_updates)
-        clipped = self.args.clip_norm > 0 and gnorm > self.args.clip_norm
-        return UpdateResult(synced.totals, synced.per_rank, lr=lr, gnorm=gnorm, clipped=clipped)
+        clip_norm = self.config.clip_norm
+        return UpdateResult(synced.totals, synced.per_rank["samples"], synced.per_rank["compute_seconds"],
+                            lr=lr, gnorm=gnorm, clipped=clip_norm > 0 and gnorm > clip_norm)
 
     def _clip_grad_norm(self, grads: list[torch.Tensor]) -> float:
-        if self.args.clip_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(self.params, self.args.clip_norm))
+        if self.config.clip_norm > 0:
+            return float(torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_norm))
         if not grads:
             return 0.0
         return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
-
-    # -- validation ----------------------------------------------------------------
-    @torch.no_grad()
-    def valid_step(self, sample: dict[str, Any]) -> dict[str, Any]:
-        """Logging output of one validation batch (summed loss etc.)."""
-        self.model.eval()
-        self.criterion.eval()
-        _, sample_size, logs = self.criterion(self.model, move_to_device(sample, self.context.device))
-        return {**logs, "sample_size": float(sample_size)}
 
     # -- checkpoint state -------------------------------------------------------
     def optimizer_state_dict(self) -> Optional[dict[str, Any]]:
@@ -173,25 +183,27 @@ class Trainer:
         return full_state_dict(self.optimizer, self.context)
 
     def state_dict(self) -> dict[str, Any]:
+        """Model, full optimizer state, schedule and update count (a collective when sharded)."""
         return {
             "model": self.model.state_dict(),
             "optimizer": self.optimizer_state_dict(),
-            "optimizer_name": self.args.optimizer,
+            "optimizer_name": self.config.optimizer,
             "lr_scheduler": self.lr_scheduler.state_dict(),
             "num_updates": self.num_updates,
         }
 
-    def load_state_dict(self, state: dict[str, Any], reset_optimizer: bool = False) -> None:
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; with ``reset_optimizer`` only the model and update count."""
         try:
             self.model.load_state_dict(state["model"])
         except RuntimeError as exc:
             raise CheckpointError(f"checkpoint does not fit this model: {first_line(exc)}") from exc
         self.num_updates = int(state["num_updates"])
-        if not reset_optimizer:
-            if state.get("optimizer_name") != self.args.optimizer:
+        if not self.config.reset_optimizer:
+            if state.get("optimizer_name") != self.config.optimizer:
                 raise CheckpointError(
                     f"checkpoint was trained with --optimizer {state.get('optimizer_name')}, not "
-                    f"{self.args.optimizer}; use the same optimizer or pass --reset-optimizer"
+                    f"{self.config.optimizer}; use the same optimizer or pass --reset-optimizer"
                 )
             try:
                 self.optimizer.load_state_dict(state["optimizer"])
@@ -213,15 +225,3 @@ def _seed_rng(seed: int, device: torch.device) -> None:
     if device.type == "cuda":
         with torch.cuda.device(device):
             torch.cuda.manual_seed(seed)
-
-
-def _accumulate(totals: dict[str, Any], logs: dict[str, Any]) -> None:
-    """Sum a micro-batch's logs into ``totals`` (``sample_size`` is the trainer's own key)."""
-    for key, value in logs.items():
-        if key == "sample_size":
-            continue
-        if isinstance(value, (int, float)):
-            totals[key] = totals.get(key, 0.0) + float(value)
-        else:
-            totals[key] = value
-

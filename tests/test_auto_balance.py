@@ -23,7 +23,7 @@ from torch import nn
 
 from hetfair.balance import BalanceConfig, LoadBalancer
 from hetfair.logging.meters import IntervalStats
-from hetfair.trainer import UpdateResult
+from hetfair.distributed.stats import UpdateResult
 from hetfair_cli.train import main
 from helpers import REPO_ROOT, TOY_PLUGIN, free_port, run_nodes
 
@@ -137,8 +137,7 @@ def test_a_saved_split_that_does_not_fit_is_refused(caps, global_batch):
 
 
 def update_result(samples: list[float], seconds: list[float]) -> UpdateResult:
-    return UpdateResult(totals={}, per_rank={"samples": samples, "compute_seconds": seconds},
-                        lr=0.1, gnorm=1.0, clipped=False)
+    return UpdateResult(totals={}, samples=samples, compute_seconds=seconds, lr=0.1, gnorm=1.0, clipped=False)
 
 
 def test_balance_efficiency_is_ideal_over_slowest_rank_time():

@@ -15,13 +15,44 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from numbers import Number
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 import torch.distributed as dist
 
 from hetfair.distributed.collectives import comm_device
 from hetfair.distributed.context import DistributedContext
+
+
+def is_summable(value: Any) -> bool:
+    """Numbers (and one-element tensors) can be summed across batches and ranks; anything else cannot."""
+    return isinstance(value, (Number, torch.Tensor))
+
+
+def sum_logs(totals: dict[str, float], logs: Mapping[str, Any]) -> dict[str, float]:
+    """Add the summable values of ``logs`` into ``totals`` (in place; returned); other values are skipped.
+
+    The one way logging outputs are summed: over micro-batches, updates, batches and ranks.
+    """
+    for key, value in logs.items():
+        if is_summable(value):
+            totals[key] = totals.get(key, 0.0) + float(value)
+    return totals
+
+
+@dataclass
+class UpdateResult:
+    """What one update reports, identical on every rank after the stats all-reduce."""
+
+    totals: dict[str, Any]
+    """The criterion's logs (and ``sample_size``) summed over ranks and micro-batches."""
+    samples: list[float]
+    """Samples each rank trained on in this update, indexed by rank."""
+    compute_seconds: list[float]
+    """Each rank's own forward/backward seconds (waiting for peers excluded), indexed by rank."""
+    lr: float
+    gnorm: float
+    clipped: bool
 
 
 @dataclass
@@ -44,7 +75,7 @@ def sync_stats(
         return SyncedStats(dict(totals), {k: [float(v)] for k, v in per_rank.items()})
     keys = sorted(totals)
     rank_keys = sorted(per_rank)
-    summable = all(isinstance(totals[k], (Number, torch.Tensor)) for k in keys)
+    summable = all(is_summable(totals[k]) for k in keys)
     world = context.world_size
     size = len(keys) + len(rank_keys) * world + 2
     fingerprint = _fingerprint(keys + ["|"] + rank_keys + [str(size)])
@@ -73,10 +104,9 @@ def _gather_objects(context: DistributedContext, totals: dict[str, Any], per_ran
     dist.all_gather_object(gathered, (totals, per_rank))
     merged: dict[str, Any] = {}
     for rank_totals, _ in gathered:
+        sum_logs(merged, rank_totals)
         for key, value in rank_totals.items():
-            if isinstance(value, (Number, torch.Tensor)):
-                merged[key] = merged.get(key, 0.0) + float(value)
-            else:  # values that cannot be summed are collected, rank by rank
+            if not is_summable(value):  # values that cannot be summed are collected, rank by rank
                 merged.setdefault(key, []).extend(value if isinstance(value, list) else [value])
     rank_keys = sorted({k for _, rank_values in gathered for k in rank_values})
     return SyncedStats(

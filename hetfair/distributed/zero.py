@@ -15,37 +15,56 @@ import argparse
 import math
 import sys
 import zlib
-from typing import Any, Optional
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
 from hetfair.distributed.collectives import all_gather_ints
 from hetfair.distributed.context import DistributedContext
 from hetfair.errors import ConfigError
-from hetfair.optim import OPTIMIZER_REGISTRY
+
+if TYPE_CHECKING:
+    from hetfair.optim import HetfairOptimizer
+
+
+@dataclass(frozen=True)
+class ShardingConfig:
+    """``--zero-sharding`` (``none`` or ``os``) and ``--zero-shard-weights`` (text, as given)."""
+
+    zero_sharding: str = "none"
+    zero_shard_weights: Optional[str] = None
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "ShardingConfig":
+        return cls(args.zero_sharding, args.zero_shard_weights)
 
 
 def build_optimizer(
-    args: argparse.Namespace, params: list[torch.nn.Parameter], context: DistributedContext
+    recipe: type["HetfairOptimizer"],
+    args: argparse.Namespace,
+    params: list[torch.nn.Parameter],
+    context: DistributedContext,
+    sharding: ShardingConfig,
 ) -> torch.optim.Optimizer:
-    """The ``--optimizer`` over ``params``, sharded across ranks for ``--zero-sharding os``."""
-    recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
-    _check_ranks_agree(args, context)
-    if args.zero_sharding == "none":
+    """``recipe``'s optimizer over ``params`` (its flags in ``args``), sharded across ranks for ``os``."""
+    _check_ranks_agree(sharding, context)
+    if sharding.zero_sharding == "none":
         return recipe.build(args, params)
     if not context.is_distributed:
         raise ConfigError("--zero-sharding os needs more than one process (--distributed-world-size N)")
-    weights = parse_shard_weights(args.zero_shard_weights, context.world_size) if args.zero_shard_weights else None
+    weights = (parse_shard_weights(sharding.zero_shard_weights, context.world_size)
+               if sharding.zero_shard_weights else None)
     from hetfair.distributed.zero_optimizer import ShardedOptimizer  # torch.distributed.optim costs 0.65 s to import
 
     return ShardedOptimizer(params, recipe.torch_class, weights, **recipe.torch_kwargs(args))
 
 
-def _check_ranks_agree(args: argparse.Namespace, context: DistributedContext) -> None:
+def _check_ranks_agree(sharding: ShardingConfig, context: DistributedContext) -> None:
     """Fail on every rank, rather than hang or diverge, when nodes were given different sharding flags."""
     if not context.is_distributed:
         return
-    setting = f"{args.zero_sharding}|{args.zero_shard_weights}"
+    setting = f"{sharding.zero_sharding}|{sharding.zero_shard_weights}"
     fingerprints = all_gather_ints(context, zlib.crc32(setting.encode()))
     if len(set(fingerprints)) > 1:
         differing = [rank for rank, value in enumerate(fingerprints) if value != fingerprints[0]]

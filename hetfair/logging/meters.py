@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable
 
-from hetfair.trainer import UpdateResult
+from hetfair.distributed.stats import UpdateResult, sum_logs
 
 ReduceMetrics = Callable[[dict[str, Any]], dict[str, float]]
 
@@ -30,7 +30,8 @@ class IntervalStats:
 
     def reset(self) -> None:
         self.totals: dict[str, float] = {}
-        self.per_rank: dict[str, list[float]] = {}
+        self.samples: list[float] = []
+        self.compute_seconds: list[float] = []
         self.slowest_seconds = 0.0
         self.updates = 0
         self.gnorm_sum = 0.0
@@ -39,13 +40,10 @@ class IntervalStats:
         self.started = time.perf_counter()
 
     def add(self, result: UpdateResult) -> None:
-        for key, value in result.totals.items():
-            if isinstance(value, (int, float)):
-                self.totals[key] = self.totals.get(key, 0.0) + float(value)
-        for key, values in result.per_rank.items():
-            previous = self.per_rank.get(key, [0.0] * len(values))
-            self.per_rank[key] = [a + b for a, b in zip(previous, values)]
-        self.slowest_seconds += max(result.per_rank.get("compute_seconds", [0.0]))
+        sum_logs(self.totals, result.totals)
+        self.samples = _add(self.samples, result.samples)
+        self.compute_seconds = _add(self.compute_seconds, result.compute_seconds)
+        self.slowest_seconds += max(result.compute_seconds, default=0.0)
         self.updates += 1
         self.gnorm_sum += result.gnorm
         self.clipped += int(result.clipped)
@@ -65,8 +63,7 @@ class IntervalStats:
             wps=self.totals.get("ntokens", 0.0) / elapsed,
             bsz=self.totals.get("nsentences", 0.0) / self.updates,
         )
-        samples = self.per_rank.get("samples", [])
-        seconds = self.per_rank.get("compute_seconds", [])
+        samples, seconds = self.samples, self.compute_seconds
         total_samples = sum(samples)
         for rank, (count, busy) in enumerate(zip(samples, seconds)):
             metrics[f"share{rank}"] = 100.0 * count / total_samples if total_samples else 0.0
@@ -78,16 +75,22 @@ class IntervalStats:
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data snapshot for checkpoints (timing restarts on load)."""
-        return {"totals": dict(self.totals), "per_rank": {k: list(v) for k, v in self.per_rank.items()},
-                "slowest_seconds": self.slowest_seconds, "updates": self.updates, "gnorm_sum": self.gnorm_sum,
+        return {"totals": dict(self.totals), "samples": list(self.samples),
+                "compute_seconds": list(self.compute_seconds), "slowest_seconds": self.slowest_seconds, "updates": self.updates, "gnorm_sum": self.gnorm_sum,
                 "clipped": self.clipped, "lr": self.lr}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset()
         self.totals = dict(state["totals"])
-        self.per_rank = {k: list(v) for k, v in state["per_rank"].items()}
+        self.samples = [float(x) for x in state["samples"]]
+        self.compute_seconds = [float(x) for x in state["compute_seconds"]]
         self.slowest_seconds = state["slowest_seconds"]
         self.updates = state["updates"]
         self.gnorm_sum = state["gnorm_sum"]
         self.clipped = state["clipped"]
         self.lr = state["lr"]
+
+
+def _add(running: list[float], values: list[float]) -> list[float]:
+    """Element-wise sum of per-rank lists (``running`` may still be empty)."""
+    return [a + b for a, b in zip(running or [0.0] * len(values), values)]

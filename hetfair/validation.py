@@ -1,0 +1,62 @@
+"""Validation: a model's metrics on a split, computed the same way in training and in ``hetfair-validate``."""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from torch import nn
+
+from hetfair.criteria import HetfairCriterion
+from hetfair.data.batch_plan import BatchPlan
+from hetfair.data.rank_batches import RankBatches
+from hetfair.distributed.context import DistributedContext
+from hetfair.distributed.stats import sum_logs, sync_stats
+from hetfair.tasks import Task
+from hetfair.utils import move_to_device
+
+
+class Validator:
+    """Sums the criterion's logs over a split, in order, each rank taking its share of every batch.
+
+    ``caps[r]`` is rank ``r``'s validation batch size (one entry on a single process). The
+    sums of all ranks are added in one all-reduce and reduced by the criterion to metrics.
+    """
+
+    def __init__(self, task: Task, model: nn.Module, criterion: HetfairCriterion, context: DistributedContext,
+                 caps: Sequence[int], num_workers: int = 0) -> None:
+        self.task = task
+        self.model = model
+        self.criterion = criterion
+        self.context = context
+        self.caps = list(caps)
+        self.num_workers = num_workers
+        self._log_keys: list[str] | None = None
+
+    @torch.no_grad()
+    def metrics(self, split: str) -> dict[str, float]:
+        """The criterion's metrics on ``split`` (a collective when distributed)."""
+        dataset = self.task.dataset(split)
+        totals = dict.fromkeys(self.log_keys(split), 0.0)  # a rank without data sends the same keys
+        plan = BatchPlan(len(dataset), self.caps, seed=0, epoch=0, shuffle=False)
+        batches = RankBatches(dataset, self.task.collater, plan, self.context.rank, num_workers=self.num_workers,
+                              pin_memory=self.context.device.type == "cuda")
+        for sample in batches:
+            if sample is not None:
+                sum_logs(totals, self._logs(sample))
+        synced = sync_stats(self.context, totals, {})
+        return self.criterion.reduce_metrics(synced.totals)
+
+    def log_keys(self, split: str) -> list[str]:
+        """The keys the criterion logs (seen on the first sample of ``split``), ``sample_size`` included."""
+        if self._log_keys is None:
+            dataset = self.task.dataset(split)
+            with torch.no_grad():
+                self._log_keys = sorted(self._logs(self.task.collater([dataset[0]])))
+        return self._log_keys
+
+    def _logs(self, sample: dict[str, Any]) -> dict[str, Any]:
+        self.model.eval()
+        self.criterion.eval()
+        _, sample_size, logs = self.criterion(self.model, move_to_device(sample, self.context.device))
+        return {**logs, "sample_size": float(sample_size)}
