@@ -159,12 +159,11 @@ def add_balance_args(parser: argparse.ArgumentParser) -> None:
                        help="re-split only if the predicted step time drops by more than this fraction")
 
 
-def build_parser(add_help: bool = True) -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     """The core parser, without any component's own flags."""
     parser = argparse.ArgumentParser(
         prog="hetfair-train",
         description="Train a model with hetfair on one or many (heterogeneous) processes.",
-        add_help=add_help,
         allow_abbrev=False,
     )
     for add in (add_common_args, add_component_args, add_dataset_args, add_optimization_args,
@@ -198,9 +197,12 @@ def parse_train_args(argv: Sequence[str]) -> argparse.Namespace:
     if user_dir:
         import_user_dir(user_dir)
 
-    probe = build_parser(add_help=False)
-    early, _ = probe.parse_known_args(argv)
-    parser = build_parser(add_help=True)
+    # One parser: probed for the chosen components (without --help, which would
+    # print and exit before their flags are known), then extended with those
+    # components' flags and defaults and parsed for real.
+    parser = build_parser()
+    probe_argv = [arg for arg in argv if arg not in ("-h", "--help")]
+    early, _ = parser.parse_known_args(probe_argv)
     if early.list_plugins or early.task is None:
         args = parser.parse_args(argv)
         if not args.list_plugins:
@@ -208,13 +210,12 @@ def parse_train_args(argv: Sequence[str]) -> argparse.Namespace:
         return args
 
     task_cls = TASK_REGISTRY.get(early.task)
-    _set_defaults(probe, task_cls.option_defaults, f"task '{early.task}'")
-    chosen, _ = probe.parse_known_args(argv)
+    _set_defaults(parser, task_cls.option_defaults, f"task '{early.task}'")
+    chosen, _ = parser.parse_known_args(probe_argv)
     if chosen.arch is None:
         raise ConfigError(f"task '{early.task}' has no default --arch; choose one of: {_known(arch_names())}")
     model_name, arch_defaults = resolve_arch(chosen.arch)
 
-    _set_defaults(parser, task_cls.option_defaults, f"task '{early.task}'")
     _add_component_flags(parser, f"task '{early.task}'", task_cls)
     _add_component_flags(parser, f"model '{model_name}'", MODEL_REGISTRY.get(model_name))
     _add_component_flags(parser, f"criterion '{chosen.criterion}'", CRITERION_REGISTRY.get(chosen.criterion))

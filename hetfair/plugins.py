@@ -1,7 +1,10 @@
 """Plugin discovery: installed entry points and ``--user-dir`` packages.
 
 Entry points are *listed* through :mod:`importlib.metadata` without importing
-any plugin code; a plugin is imported only when its name is chosen.
+any plugin code; a plugin is imported only when its name is chosen. The
+installed distributions are scanned once per process (for every group at
+once) and the result is reused until ``sys.path`` changes or
+:func:`clear_entry_point_cache` is called.
 """
 
 from __future__ import annotations
@@ -21,7 +24,6 @@ from hetfair.errors import PluginLoadError
 class PluginEntryPoint:
     """One ``name = module[:attr]`` line of an installed distribution's entry points."""
 
-    group: str
     name: str
     value: str
     distribution: str
@@ -46,22 +48,46 @@ class PluginEntryPoint:
             ) from exc
 
 
+# The one scan of installed entry points, valid for the sys.path it was made with.
+_scan_path: tuple[str, ...] | None = None
+_scanned: Any = None  # what metadata.entry_points() returned (all groups)
+_by_group: dict[str, tuple[PluginEntryPoint, ...]] = {}
+
+
+def clear_entry_point_cache() -> None:
+    """Forget the scan of installed entry points; the next lookup scans again.
+
+    A change of ``sys.path`` does this by itself. Call it after installing or
+    removing a distribution in a directory that is already on ``sys.path``.
+    """
+    global _scan_path, _scanned
+    _scan_path = None
+    _scanned = None
+    _by_group.clear()
+
+
 def discover_entry_points(group: str) -> list[PluginEntryPoint]:
     """All entry points of ``group`` across installed distributions (no imports)."""
-    found = []
-    for ep in metadata.entry_points(group=group):
-        dist = ep.dist
-        found.append(
-            PluginEntryPoint(
-                group=group,
-                name=ep.name,
-                value=ep.value,
-                distribution=dist.metadata["Name"] if dist is not None else "<unknown>",
-                version=dist.version if dist is not None else "",
-                _entry_point=ep,
-            )
-        )
-    return found
+    global _scan_path, _scanned
+    path = tuple(sys.path)
+    if _scan_path != path:
+        clear_entry_point_cache()
+        _scanned = metadata.entry_points()
+        _scan_path = path
+    if group not in _by_group:
+        _by_group[group] = tuple(_wrap(ep) for ep in _scanned.select(group=group))
+    return list(_by_group[group])
+
+
+def _wrap(ep: metadata.EntryPoint) -> PluginEntryPoint:
+    dist = ep.dist
+    return PluginEntryPoint(
+        name=ep.name,
+        value=ep.value,
+        distribution=dist.metadata["Name"] if dist is not None else "<unknown>",
+        version=dist.version if dist is not None else "",
+        _entry_point=ep,
+    )
 
 
 def import_user_dir(user_dir: str | Path) -> ModuleType:

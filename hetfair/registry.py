@@ -64,7 +64,6 @@ class Registry(Generic[T]):
         self._builtin_modules = tuple(builtin_modules)
         self._builtins_imported = False
         self._entries: dict[str, Registration] = {}
-        self._loaded_entry_points: set[str] = set()
 
     # -- registration -------------------------------------------------------
     def register(self, name: str) -> Callable[[T], T]:
@@ -104,9 +103,6 @@ class Registry(Generic[T]):
         self._import_builtins()
         return sorted(set(self._entries) | {ep.name for ep in self._entry_points()})
 
-    def __contains__(self, name: str) -> bool:
-        return name in self.names()
-
     def get(self, name: str) -> T:
         """The component registered as ``name``, importing its plugin if needed."""
         self._import_builtins()
@@ -137,6 +133,8 @@ class Registry(Generic[T]):
         self._import_builtins()
         for ep in self._entry_points():
             if ep.name == name:
+                if ep.distribution == "hetfair":  # hetfair's own components, registered like plugins
+                    return f"built-in ({ep.value.replace(':', '.').replace(' ', '')}, entry point of hetfair)"
                 return ep.describe()
         registration = self._entries[name]
         where = "built-in" if registration.module.startswith("hetfair.") else "user code"
@@ -164,7 +162,6 @@ class Registry(Generic[T]):
                 f"plugin {entry_point.describe()} was imported but did not register a {self.kind} "
                 f"named '{entry_point.name}'"
             )
-        self._loaded_entry_points.add(entry_point.name)
         return self._entries[entry_point.name].obj  # type: ignore[return-value]
 
 

@@ -13,16 +13,23 @@ can slow down mid-run.
 from __future__ import annotations
 
 import argparse
+import sys
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from hetfair import register_model, register_task
 from hetfair.errors import ConfigError
 from hetfair.models import HetfairModel
 from hetfair.tasks import Task
+
+_SHARED = str(Path(__file__).resolve().parents[1])  # benchmarks/: toydata.py, shared with the tests' toy plugin
+if _SHARED not in sys.path:
+    sys.path.append(_SHARED)
+
+from toydata import Blobs, blobs_mlp, blobs_split  # noqa: E402
 
 
 def speed_list(text: str) -> list[float]:
@@ -36,21 +43,6 @@ def speed_list(text: str) -> list[float]:
     return speeds
 
 
-class Blobs(torch.utils.data.Dataset):
-    """Gaussian blobs in 8 dimensions around three class centres; fixed by ``seed``."""
-
-    def __init__(self, size: int, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.labels = torch.randint(0, 3, (size,), generator=generator)
-        self.inputs = torch.randn(size, 8, generator=generator) + self.labels[:, None].float()
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inputs[index], self.labels[index]
-
-
 @register_task("sim")
 class SimTask(Task):
     option_defaults = {"arch": "sim_mlp", "criterion": "cross_entropy", "max_sentences": 16}
@@ -60,7 +52,7 @@ class SimTask(Task):
         parser.add_argument("--sim-train-size", type=int, default=2000, help="training samples")
 
     def load_dataset(self, split: str) -> Blobs:
-        return Blobs(self.args.sim_train_size, seed=0) if split == "train" else Blobs(60, seed=1)
+        return blobs_split(split, self.args.sim_train_size)
 
 
 class SimulatedSpeed:
@@ -90,7 +82,7 @@ class SimMLP(HetfairModel):
 
     def __init__(self, hidden: int, device_speed: SimulatedSpeed) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 3))
+        self.net = blobs_mlp(hidden)
         self.device_speed = device_speed
 
     @staticmethod

@@ -1,4 +1,4 @@
-"""One rank's micro-batches of one epoch, loaded by a DataLoader and resumable at any step."""
+"""One rank's micro-batches of one batch plan, loaded by a DataLoader."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ Collater = Callable[[list[Any]], dict[str, Any]]
 
 
 class RankBatches:
-    """Yields, for each step of ``plan`` from ``start_step``, this rank's batch or ``None``.
+    """Yields, for each step of ``plan``, this rank's batch or ``None``.
 
     ``None`` means the rank has no samples in that step (a small share of a short
     last batch); it must still join the step's collectives with zero weight.
@@ -24,7 +24,6 @@ class RankBatches:
         collater: Collater,
         plan: BatchPlan,
         rank: int,
-        start_step: int = 0,
         num_workers: int = 0,
         pin_memory: bool = False,
     ) -> None:
@@ -32,17 +31,11 @@ class RankBatches:
         self.collater = collater
         self.plan = plan
         self.rank = rank
-        self.start_step = start_step
         self.num_workers = num_workers
         self.pin_memory = pin_memory
 
-    def __len__(self) -> int:
-        return max(self.plan.num_steps - self.start_step, 0)
-
     def __iter__(self) -> Iterator[Optional[dict[str, Any]]]:
-        index_lists = [
-            self.plan.rank_indices(step, self.rank).tolist() for step in range(self.start_step, self.plan.num_steps)
-        ]
+        index_lists = [self.plan.rank_indices(step, self.rank).tolist() for step in range(self.plan.num_steps)]
         non_empty = [indices for indices in index_lists if indices]
         if not non_empty:
             yield from (None for _ in index_lists)

@@ -1,11 +1,16 @@
-"""TensorBoard scalars, one run directory per phase (``train``, ``valid`` ...)."""
+"""TensorBoard scalars, one run directory per phase (``train``, ``valid`` ...).
+
+``tensorboard`` is imported only when the first scalar is written, so runs
+without ``--tensorboard-logdir`` never pay for it.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
-from torch.utils.tensorboard import SummaryWriter
+if TYPE_CHECKING:
+    from torch.utils.tensorboard import SummaryWriter
 
 
 class TensorBoardLogger:
@@ -20,6 +25,8 @@ class TensorBoardLogger:
             return
         writer = self._writers.get(phase)
         if writer is None:
+            from torch.utils.tensorboard import SummaryWriter
+
             writer = self._writers[phase] = SummaryWriter(str(self.logdir / phase))
         for key, value in metrics.items():
             writer.add_scalar(key, value, step)

@@ -8,6 +8,9 @@ from typing import Any, ClassVar
 import torch
 from torch.utils.data import Dataset
 
+from hetfair.criteria import CRITERION_REGISTRY
+from hetfair.models import MODEL_REGISTRY
+
 
 class Task:
     """Builds datasets, the model and the criterion for one kind of training.
@@ -68,11 +71,7 @@ class Task:
         """Called before each epoch (1-based), e.g. to redraw dynamic masks."""
 
     def build_model(self, args: argparse.Namespace) -> torch.nn.Module:
-        from hetfair.models import MODEL_REGISTRY
-
         return MODEL_REGISTRY.get(args.model).build_model(args, self)
 
     def build_criterion(self, args: argparse.Namespace) -> torch.nn.Module:
-        from hetfair.criteria import CRITERION_REGISTRY
-
         return CRITERION_REGISTRY.get(args.criterion).build_criterion(args, self)

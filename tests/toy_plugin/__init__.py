@@ -3,28 +3,20 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
-from torch import nn
 
 from hetfair import register_model, register_model_architecture, register_task
 from hetfair.models import HetfairModel
 from hetfair.tasks import Task
 
+_SHARED = str(Path(__file__).resolve().parents[2] / "benchmarks")  # toydata.py, shared with simcluster
+if _SHARED not in sys.path:
+    sys.path.append(_SHARED)
 
-class Blobs(torch.utils.data.Dataset):
-    """Gaussian blobs around three class centres; fixed by ``seed``."""
-
-    def __init__(self, size: int, seed: int) -> None:
-        generator = torch.Generator().manual_seed(seed)
-        self.labels = torch.randint(0, 3, (size,), generator=generator)
-        self.inputs = torch.randn(size, 8, generator=generator) + self.labels[:, None].float()
-
-    def __len__(self) -> int:
-        return len(self.labels)
-
-    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.inputs[index], self.labels[index]
+from toydata import Blobs, blobs_mlp, blobs_split  # noqa: E402
 
 
 @register_task("toy")
@@ -36,16 +28,14 @@ class ToyTask(Task):
         parser.add_argument("--toy-train-size", type=int, default=200)
 
     def load_dataset(self, split: str) -> Blobs:
-        if split == "train":
-            return Blobs(self.args.toy_train_size, seed=0)
-        return Blobs(60, seed=1)
+        return blobs_split(split, self.args.toy_train_size)
 
 
 @register_model("toy_mlp")
 class ToyMLP(HetfairModel):
     def __init__(self, hidden: int) -> None:
         super().__init__()
-        self.net = nn.Sequential(nn.Linear(8, hidden), nn.Tanh(), nn.Linear(hidden, 3))
+        self.net = blobs_mlp(hidden)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:

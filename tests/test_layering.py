@@ -1,0 +1,192 @@
+"""Imports point down only: every hetfair module belongs to a layer and imports no higher layer.
+
+The layers, top to bottom, are :data:`LAYERS`; modules of one layer may import
+each other. Every ``import`` and ``from ... import`` counts, at module level and
+inside functions, and so do constant ``importlib.import_module("...")`` calls and
+a registry's ``builtin_modules=[...]``; only ``if TYPE_CHECKING:`` blocks are
+exempt (annotations do not run). ``hetfair.bert`` is a plugin family, registered
+through entry points: besides the layering, no module outside it may import it
+except the console scripts (``hetfair_cli``).
+"""
+
+from __future__ import annotations
+
+import ast
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+REPO_ROOT = Path(__file__).resolve().parents[1]
+PACKAGES = ("hetfair", "hetfair_cli")
+
+# Top to bottom. A name stands for a module or a whole package; "hetfair" is the
+# package's own __init__ (the plugin API: hetfair.register_*), not its submodules.
+LAYERS: list[tuple[str, ...]] = [
+    ("hetfair_cli",),  # console scripts
+    ("hetfair.training", "hetfair.evaluate"),  # the training loop, hetfair-validate's program
+    ("hetfair.checkpoint", "hetfair.trainer", "hetfair.validation", "hetfair.run_state"),  # their parts
+    ("hetfair.balance", "hetfair.logging", "hetfair.data"),  # engine services
+    ("hetfair.options", "hetfair.inventory"),  # the command line's options, --list-plugins
+    ("hetfair.bert",),  # hetfair's own plugin family (see PLUGIN_FAMILIES)
+    ("hetfair", "hetfair.tasks"),  # the plugin API and the Task base class
+    ("hetfair.models", "hetfair.criteria", "hetfair.optim"),  # component base classes and registries
+    ("hetfair.distributed",),  # process groups, launching, collectives: no knowledge of components
+    ("hetfair.registry", "hetfair.plugins"),  # the generic registry, plugin discovery
+    ("hetfair.errors", "hetfair.utils", "hetfair.rng"),  # leaves
+]
+
+# Packages the engine must not import (it finds them through entry points).
+PLUGIN_FAMILIES = ("hetfair.bert",)
+MAY_IMPORT_PLUGIN_FAMILIES = ("hetfair_cli",)
+
+
+@dataclass(frozen=True)
+class Import:
+    importer: str
+    path: Path
+    line: int
+    target: str
+
+
+def module_files() -> dict[str, Path]:
+    """Dotted module name -> file, for every module of hetfair and hetfair_cli."""
+    modules = {}
+    for package in PACKAGES:
+        for path in sorted((REPO_ROOT / package).rglob("*.py")):
+            parts = list(path.relative_to(REPO_ROOT).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            modules[".".join(parts)] = path
+    return modules
+
+
+MODULES = module_files()
+
+
+def is_ours(name: str) -> bool:
+    return name.split(".")[0] in PACKAGES
+
+
+def is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING")
+
+
+def runtime_nodes(node: ast.AST) -> Iterator[ast.AST]:
+    """Every node below ``node``, except the bodies of ``if TYPE_CHECKING:`` blocks."""
+    for child in ast.iter_child_nodes(node):
+        if isinstance(child, ast.If) and is_type_checking(child.test):
+            for other in child.orelse:
+                yield other
+                yield from runtime_nodes(other)
+            continue
+        yield child
+        yield from runtime_nodes(child)
+
+
+def resolve_from(importer: str, is_package: bool, node: ast.ImportFrom) -> list[str]:
+    """Modules a ``from X import a, b`` imports: ``X.a`` where that is a module, else ``X``."""
+    if node.level:
+        base = importer.split(".") if is_package else importer.split(".")[:-1]
+        base = base[: len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    targets = [f"{source}.{alias.name}" for alias in node.names if f"{source}.{alias.name}" in MODULES]
+    if len(targets) < len(node.names):
+        targets.append(source)
+    return targets
+
+
+def constant_strings(node: ast.expr) -> list[str]:
+    if isinstance(node, ast.Constant) and isinstance(node.value, str):
+        return [node.value]
+    if isinstance(node, (ast.List, ast.Tuple)):
+        return [elt.value for elt in node.elts if isinstance(elt, ast.Constant) and isinstance(elt.value, str)]
+    return []
+
+
+def imports_of(module: str, path: Path) -> Iterator[Import]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    is_package = path.name == "__init__.py"
+    for node in runtime_nodes(tree):
+        targets: list[str] = []
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            targets = resolve_from(module, is_package, node)
+        elif isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+            if name == "import_module" and node.args:
+                targets = constant_strings(node.args[0])
+            targets += [s for kw in node.keywords if kw.arg == "builtin_modules" for s in constant_strings(kw.value)]
+        for target in targets:
+            if is_ours(target):
+                yield Import(module, path, node.lineno, target)
+
+
+def layer_of(module: str) -> int | None:
+    """Index in LAYERS of the longest layer entry that is ``module`` or a package above it."""
+    parts = module.split(".")
+    for length in range(len(parts), 0, -1):
+        prefix = ".".join(parts[:length])
+        if prefix == "hetfair" and module != "hetfair":
+            continue  # "hetfair" stands for the package's __init__ only
+        for index, layer in enumerate(LAYERS):
+            if prefix in layer:
+                return index
+    return None
+
+
+def describe(index: int) -> str:
+    return ", ".join(LAYERS[index])
+
+
+def all_imports() -> list[Import]:
+    return [imp for module, path in MODULES.items() for imp in imports_of(module, path)]
+
+
+def where(imp: Import) -> str:
+    return f"{imp.path.relative_to(REPO_ROOT)}:{imp.line}"
+
+
+def test_every_module_has_a_layer():
+    unplaced = sorted(module for module in MODULES if layer_of(module) is None)
+    assert not unplaced, f"modules in no layer (add them to LAYERS in {Path(__file__).name}): {unplaced}"
+
+
+def test_every_layer_entry_names_an_existing_module():
+    stale = [name for layer in LAYERS for name in layer if name not in MODULES]
+    assert not stale, f"LAYERS names modules that do not exist: {stale}"
+
+
+def test_imports_point_down_only():
+    violations = []
+    for imp in all_imports():
+        own, other = layer_of(imp.importer), layer_of(imp.target)
+        if own is None or other is None:
+            continue  # reported by test_every_module_has_a_layer (or an import of a missing module)
+        if other < own:
+            violations.append(f"{where(imp)}: {imp.importer} imports {imp.target} "
+                              f"(layer [{describe(other)}] is above [{describe(own)}])")
+    assert not violations, "imports that point up:\n" + "\n".join(violations)
+
+
+def test_imports_name_existing_modules():
+    missing = [f"{where(imp)}: {imp.target}" for imp in all_imports() if imp.target not in MODULES]
+    assert not missing, "imports of hetfair modules that do not exist:\n" + "\n".join(missing)
+
+
+def test_engine_does_not_import_plugin_families():
+    def inside(module: str, packages: tuple[str, ...]) -> bool:
+        return any(module == p or module.startswith(p + ".") for p in packages)
+
+    violations = [
+        f"{where(imp)}: {imp.importer} imports {imp.target}"
+        for imp in all_imports()
+        for family in PLUGIN_FAMILIES
+        if inside(imp.target, (family,)) and not inside(imp.importer, (family, *MAY_IMPORT_PLUGIN_FAMILIES))
+    ]
+    assert not violations, ("plugin families are found through entry points, not imported:\n"
+                            + "\n".join(violations))
