@@ -7,7 +7,18 @@ from hetfair.tasks import register_task
 
 __version__ = "0.1.0"
 
+
+
+def __getattr__(name: str) -> object:
+    if name == "load_model":  # imported on first use: training never needs it
+        from hetfair.pretrained import load_model
+
+        return load_model
+    raise AttributeError(f"module 'hetfair' has no attribute '{name}'")
+
+
 __all__ = [
+    "load_model",
     "register_task",
     "register_model",
     "register_model_architecture",

@@ -16,7 +16,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--path", required=True, help="checkpoint file written by hetfair-train")
     parser.add_argument("--valid-subset", default="valid", help="comma-separated splits to evaluate")
     parser.add_argument("--data", help="data directory (default: the one used in training)")
-    parser.add_argument("--user-dir", help="plugin package (default: the one used in training)")
+    parser.add_argument("--user-dir", help="plugin package the checkpoint's task comes from (never taken from the checkpoint itself)")
     parser.add_argument("--max-sentences", "--batch-size", type=int, dest="max_sentences_valid",
                         help="batch size for evaluation")
     parser.add_argument("--num-workers", type=int, help="DataLoader worker processes")
@@ -28,10 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
-    overrides = {"data": args.data, "user_dir": args.user_dir, "max_sentences_valid": args.max_sentences_valid,
+    overrides = {"data": args.data, "max_sentences_valid": args.max_sentences_valid,
                  "num_workers": args.num_workers, "cpu": args.cpu}
     for subset in args.valid_subset.split(","):
-        metrics = evaluate_checkpoint(Path(args.path), subset, overrides)
+        metrics = evaluate_checkpoint(Path(args.path), subset, overrides, user_dir=args.user_dir)
         if args.json:
             print(json.dumps({"subset": subset, **metrics}))
         else:

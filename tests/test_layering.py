@@ -23,12 +23,13 @@ PACKAGES = ("hetfair", "hetfair_cli")
 # package's own __init__ (the plugin API: hetfair.register_*), not its submodules.
 LAYERS: list[tuple[str, ...]] = [
     ("hetfair_cli",),  # console scripts
-    ("hetfair.training", "hetfair.evaluate"),  # the training loop, hetfair-validate's program
+    ("hetfair",),  # the public API: hetfair.register_*, hetfair.load_model (imported lazily)
+    ("hetfair.training", "hetfair.evaluate", "hetfair.pretrained"),  # the training loop, hetfair-validate's program
     ("hetfair.checkpoint", "hetfair.trainer", "hetfair.validation", "hetfair.run_state"),  # their parts
     ("hetfair.balance", "hetfair.logging", "hetfair.data"),  # engine services
     ("hetfair.options", "hetfair.inventory"),  # the command line's options, --list-plugins
     ("hetfair.bert",),  # hetfair's own plugin family (see PLUGIN_FAMILIES)
-    ("hetfair", "hetfair.tasks"),  # the plugin API and the Task base class
+    ("hetfair.tasks",),  # the Task base class
     ("hetfair.models", "hetfair.criteria", "hetfair.optim"),  # component base classes and registries
     ("hetfair.distributed",),  # process groups, launching, collectives: no knowledge of components
     ("hetfair.registry", "hetfair.plugins"),  # the generic registry, plugin discovery

@@ -198,9 +198,14 @@ class BertModel(HetfairModel):
                                 metavar=type(value).__name__.upper(), help=f"{_HELP[name]} (bert_config.json: {name})")
         parser.add_argument("--config_file", "--config-file", metavar="JSON", dest="config_file",
                             help="bert_config.json whose values override the architecture and flags")
+        parser.add_argument("--init-from-hf", metavar="DIR",
+                            help="start from a local Hugging Face BERT directory (config.json + model.safetensors "
+                                 "or pytorch_model.bin): its config sizes the model, its weights initialise it")
 
     @classmethod
     def build_model(cls, args: argparse.Namespace, task: "Task") -> "BertModel":
+        if getattr(args, "init_from_hf", None):
+            return cls.from_hugging_face(args, task)
         vocab_size = len(task.vocab)  # type: ignore[attr-defined]
         config = BertConfig(vocab_size=vocab_size, **{name: getattr(args, name) for name in HYPER_PARAMETERS})
         if args.config_file:
@@ -214,6 +219,31 @@ class BertModel(HetfairModel):
                               f"{config.max_position_embeddings}; lower --tokens-per-sample")
         vars(args).update({name: getattr(config, name) for name in HYPER_PARAMETERS})
         return cls(config, nsp=bool(getattr(args, "nsp", False)))
+
+    @classmethod
+    def from_hugging_face(cls, args: argparse.Namespace, task: "Task") -> "BertModel":
+        """The model of ``--init-from-hf DIR``: sized by its ``config.json``, initialised with its weights.
+
+        Its ``vocab.txt`` (if any) must be the task's vocabulary. An NSP head the directory lacks
+        (a ``BertForMaskedLM``) starts from the usual random initialisation.
+        """
+        from hetfair.bert.hf import from_hf_state_dict, read_hf_directory
+
+        directory = args.init_from_hf
+        config, weights, tokens = read_hf_directory(directory)
+        vocab = task.vocab  # type: ignore[attr-defined]
+        if config.vocab_size != len(vocab) or (tokens is not None and tuple(tokens) != tuple(vocab.tokens)):
+            raise ConfigError(f"--init-from-hf {directory} has another vocabulary ({config.vocab_size} tokens) than "
+                              f"--data ({len(vocab)} tokens); preprocess with --dict {directory}/vocab.txt")
+        vars(args).update({name: getattr(config, name) for name in HYPER_PARAMETERS})
+        model = cls(config, nsp=bool(getattr(args, "nsp", False)))
+        state, _ = from_hf_state_dict(weights, config.num_hidden_layers, model.nsp, directory)
+        try:
+            model.load_state_dict(state, strict=False)
+        except RuntimeError as exc:
+            raise ConfigError(f"--init-from-hf {directory}: weights do not fit its config.json: "
+                              f"{str(exc).splitlines()[-1].strip()}") from exc
+        return model
 
     def forward(
         self,

@@ -1,0 +1,194 @@
+"""Hugging Face ``transformers`` BERT <-> hetfair ``bert``: config, parameter names, files.
+
+The layout is ``BertForPreTraining``'s: ``bert.embeddings.*``, ``bert.encoder.layer.N.*``,
+``bert.pooler.dense`` and ``cls.predictions.*`` / ``cls.seq_relationship``. hetfair keeps query,
+key and value in one ``qkv`` matrix (rows in that order), which is split and joined here. The
+MLM decoder is tied to the word embeddings on both sides, so it is not stored. Reading needs
+only torch (and ``safetensors`` for ``model.safetensors``); ``transformers`` is never imported.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, fields
+from typing import Any, Mapping, Sequence
+
+import torch
+
+from hetfair.bert.model import ACTIVATIONS, BertConfig
+from hetfair.errors import CheckpointError, ConfigError
+
+CONFIG_FILE = "config.json"
+SAFETENSORS_FILE = "model.safetensors"
+PYTORCH_FILE = "pytorch_model.bin"
+VOCAB_FILE = "vocab.txt"
+
+# hetfair name -> Hugging Face name, outside the encoder layers and the fused qkv
+_TOP_LEVEL = {
+    "embeddings.word.weight": "bert.embeddings.word_embeddings.weight",
+    "embeddings.position.weight": "bert.embeddings.position_embeddings.weight",
+    "embeddings.token_type.weight": "bert.embeddings.token_type_embeddings.weight",
+    "embeddings.norm.weight": "bert.embeddings.LayerNorm.weight",
+    "embeddings.norm.bias": "bert.embeddings.LayerNorm.bias",
+    "lm_head.transform.weight": "cls.predictions.transform.dense.weight",
+    "lm_head.transform.bias": "cls.predictions.transform.dense.bias",
+    "lm_head.norm.weight": "cls.predictions.transform.LayerNorm.weight",
+    "lm_head.norm.bias": "cls.predictions.transform.LayerNorm.bias",
+    "lm_head.bias": "cls.predictions.bias",
+}
+_NSP = {
+    "pooler.weight": "bert.pooler.dense.weight",
+    "pooler.bias": "bert.pooler.dense.bias",
+    "nsp_head.weight": "cls.seq_relationship.weight",
+    "nsp_head.bias": "cls.seq_relationship.bias",
+}
+# per encoder layer: hetfair suffix -> Hugging Face suffix (qkv handled apart)
+_LAYER = {
+    "attention_out": "attention.output.dense",
+    "attention_norm": "attention.output.LayerNorm",
+    "intermediate": "intermediate.dense",
+    "output": "output.dense",
+    "output_norm": "output.LayerNorm",
+}
+_TIED = "lm_head.weight"  # the same tensor as embeddings.word.weight
+_UNSUPPORTED = {"position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False}
+
+
+def to_hf_config(config: BertConfig, nsp: bool, pad_token_id: int) -> dict[str, Any]:
+    """``config.json`` of a ``transformers`` BERT with these hyper-parameters."""
+    return {
+        "architectures": ["BertForPreTraining" if nsp else "BertForMaskedLM"],
+        "model_type": "bert",
+        **asdict(config),
+        "pad_token_id": pad_token_id,
+        "position_embedding_type": "absolute",
+        "tie_word_embeddings": True,
+    }
+
+
+def from_hf_config(values: Mapping[str, Any], source: str) -> BertConfig:
+    """The :class:`BertConfig` of a Hugging Face ``config.json``; what hetfair cannot build is an error."""
+    if values.get("model_type", "bert") != "bert":
+        raise ConfigError(f"{source} describes a '{values.get('model_type')}' model, not BERT")
+    for key, supported in _UNSUPPORTED.items():
+        if values.get(key, supported) != supported:
+            raise ConfigError(f"{source} sets {key}={values[key]!r}; hetfair's BERT supports only {supported!r}")
+    if not values.get("tie_word_embeddings", True):
+        raise ConfigError(f"{source} unties the MLM decoder from the word embeddings; hetfair's BERT ties them")
+    if values.get("hidden_act", "gelu") not in ACTIVATIONS:
+        raise ConfigError(f"{source} uses hidden_act {values['hidden_act']!r}; hetfair knows {', '.join(ACTIVATIONS)}")
+    known = {f.name for f in fields(BertConfig)}
+    if "vocab_size" not in values:
+        raise ConfigError(f"{source} has no vocab_size")
+    config = BertConfig(**{key: value for key, value in values.items() if key in known})
+    config.validate()
+    return config
+
+
+def to_hf_state_dict(state: Mapping[str, torch.Tensor], num_layers: int, nsp: bool) -> dict[str, torch.Tensor]:
+    """hetfair ``bert`` parameters under ``BertForPreTraining`` names (tied decoder left out)."""
+    names = {**_TOP_LEVEL, **(_NSP if nsp else {})}
+    hf = {names[key]: value for key, value in state.items() if key in names}
+    for i in range(num_layers):
+        ours, theirs = f"layers.{i}.", f"bert.encoder.layer.{i}."
+        for kind in ("weight", "bias"):
+            query, key, value = state[f"{ours}qkv.{kind}"].chunk(3, dim=0)
+            for name, part in (("query", query), ("key", key), ("value", value)):
+                hf[f"{theirs}attention.self.{name}.{kind}"] = part
+            for our_suffix, their_suffix in _LAYER.items():
+                hf[f"{theirs}{their_suffix}.{kind}"] = state[f"{ours}{our_suffix}.{kind}"]
+    return {key: value.detach().contiguous().clone() for key, value in hf.items()}
+
+
+def from_hf_state_dict(hf: Mapping[str, torch.Tensor], num_layers: int, nsp: bool,
+                       source: str) -> tuple[dict[str, torch.Tensor], list[str]]:
+    """hetfair ``bert`` parameters from ``BertForPreTraining``/``BertForMaskedLM``/``BertModel`` names.
+
+    Returns the state dict and the hetfair names it could not fill (the NSP head of a model saved
+    without one, say); a missing encoder or embedding weight is a :class:`CheckpointError`.
+    """
+    if not any(key.startswith("bert.") for key in hf):  # a bare BertModel: no "bert." prefix, no heads
+        hf = {f"bert.{key}": value for key, value in hf.items()}
+    wanted = {**_TOP_LEVEL, **(_NSP if nsp else {})}
+    state: dict[str, torch.Tensor] = {}
+    missing: list[str] = []
+    for ours, theirs in wanted.items():
+        if theirs in hf:
+            state[ours] = hf[theirs]
+        else:
+            missing.append(ours)
+    for i in range(num_layers):
+        ours, theirs = f"layers.{i}.", f"bert.encoder.layer.{i}."
+        for kind in ("weight", "bias"):
+            parts = [hf.get(f"{theirs}attention.self.{name}.{kind}") for name in ("query", "key", "value")]
+            if any(part is None for part in parts):
+                raise CheckpointError(f"{source} lacks the attention weights of encoder layer {i}")
+            state[f"{ours}qkv.{kind}"] = torch.cat(parts, dim=0)  # type: ignore[arg-type]
+            for our_suffix, their_suffix in _LAYER.items():
+                if f"{theirs}{their_suffix}.{kind}" not in hf:
+                    raise CheckpointError(f"{source} lacks {theirs}{their_suffix}.{kind}")
+                state[f"{ours}{our_suffix}.{kind}"] = hf[f"{theirs}{their_suffix}.{kind}"]
+    essential = [name for name in missing if name.startswith("embeddings.")]
+    if essential:
+        raise CheckpointError(f"{source} lacks {', '.join(wanted[name] for name in essential)}")
+    if "embeddings.word.weight" in state:
+        state[_TIED] = state["embeddings.word.weight"]
+    return state, missing
+
+
+def read_hf_directory(directory: str) -> tuple[BertConfig, dict[str, torch.Tensor], list[str] | None]:
+    """Config, weights and (if present) ``vocab.txt`` tokens of a local Hugging Face BERT directory."""
+    config_path = os.path.join(directory, CONFIG_FILE)
+    if not os.path.isdir(directory) or not os.path.isfile(config_path):
+        raise ConfigError(f"{directory} is not a Hugging Face BERT directory (no {CONFIG_FILE})")
+    try:
+        with open(config_path, encoding="utf-8") as f:
+            values = json.load(f)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"{config_path} is not valid JSON: {exc}") from exc
+    config = from_hf_config(values, config_path)
+    weights = _read_weights(directory)
+    vocab_path = os.path.join(directory, VOCAB_FILE)
+    tokens = None
+    if os.path.isfile(vocab_path):
+        with open(vocab_path, encoding="utf-8") as f:
+            tokens = [line.rstrip("\r\n") for line in f]
+    return config, weights, tokens
+
+
+def _read_weights(directory: str) -> dict[str, torch.Tensor]:
+    safetensors_path = os.path.join(directory, SAFETENSORS_FILE)
+    pytorch_path = os.path.join(directory, PYTORCH_FILE)
+    try:
+        if os.path.isfile(safetensors_path):
+            from safetensors.torch import load_file  # optional: pip install 'hetfair[hf]'
+
+            return load_file(safetensors_path)
+        if os.path.isfile(pytorch_path):
+            return torch.load(pytorch_path, map_location="cpu", weights_only=True)
+    except ImportError:
+        raise ConfigError("reading model.safetensors needs safetensors: pip install 'hetfair[hf]'") from None
+    except Exception as exc:  # noqa: BLE001 - any failure to read the weights is a damaged file
+        raise CheckpointError(f"the weights in {directory} cannot be read: {exc}") from exc
+    raise ConfigError(f"{directory} holds no {SAFETENSORS_FILE} or {PYTORCH_FILE}")
+
+
+def write_hf_directory(directory: str, config: BertConfig, state: Mapping[str, torch.Tensor], nsp: bool,
+                       vocab_tokens: Sequence[str], pad_token_id: int, lowercase: bool) -> None:
+    """Write ``config.json``, ``model.safetensors`` and the WordPiece tokenizer files into ``directory``."""
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise ConfigError("exporting to Hugging Face needs safetensors: pip install 'hetfair[hf]'") from None
+    os.makedirs(directory, exist_ok=True)
+    hf_state = to_hf_state_dict(state, config.num_hidden_layers, nsp)
+    save_file(hf_state, os.path.join(directory, SAFETENSORS_FILE), metadata={"format": "pt"})
+    with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
+        json.dump(to_hf_config(config, nsp, pad_token_id), f, indent=2)
+    with open(os.path.join(directory, VOCAB_FILE), "w", encoding="utf-8") as f:
+        f.write("\n".join(vocab_tokens) + "\n")
+    tokenizer_config = {"tokenizer_class": "BertTokenizer", "do_lower_case": lowercase,
+                        "model_max_length": config.max_position_embeddings}
+    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
+        json.dump(tokenizer_config, f, indent=2)

@@ -1,0 +1,54 @@
+"""``hetfair-export``: write a trained BERT checkpoint as a Hugging Face ``transformers`` model directory."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Sequence
+
+from hetfair.bert.hf import write_hf_directory
+from hetfair.bert.model import BertModel
+from hetfair.errors import ConfigError
+from hetfair.pretrained import load_model
+from hetfair_cli.errors import run_cli
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetfair-export",
+        description="Write a hetfair BERT checkpoint as a Hugging Face directory (config.json, model.safetensors, "
+                    "vocab.txt) that transformers' BertForPreTraining / BertForMaskedLM.from_pretrained loads.",
+        allow_abbrev=False)
+    parser.add_argument("--path", required=True, metavar="CKPT", help="checkpoint written by hetfair-train")
+    parser.add_argument("--to", required=True, nargs=2, metavar=("FORMAT", "OUTDIR"),
+                        help="target format (hf) and output directory")
+    parser.add_argument("--data", metavar="DIR", help="data directory holding the vocabulary (default: training's)")
+    parser.add_argument("--user-dir", metavar="DIR", help="plugin directory, if the task comes from one")
+    parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    return parser
+
+
+def _main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    target, outdir = args.to
+    if target != "hf":
+        raise ConfigError(f"--to {target}: the only export format is 'hf' (Hugging Face transformers)")
+    loaded = load_model(args.path, user_dir=args.user_dir, overrides={"data": args.data})
+    model = loaded.model
+    if not isinstance(model, BertModel):
+        raise ConfigError(f"{args.path} holds a '{loaded.options.model}' model; only BERT exports to Hugging Face")
+    vocab = loaded.task.vocab  # type: ignore[attr-defined]
+    write_hf_directory(outdir, model.config, model.state_dict(), model.nsp, vocab.tokens, vocab.pad,
+                       lowercase=loaded.task.lowercase)  # type: ignore[attr-defined]
+    kind = "BertForPreTraining or BertForMaskedLM" if model.nsp else "BertForMaskedLM (trained without --nsp: " \
+        "BertForPreTraining would start its next-sentence head from random weights)"
+    print(f"wrote {outdir}: load it with transformers' {kind}.from_pretrained('{outdir}')", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("hetfair-export", _main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
