@@ -136,6 +136,13 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                             "all-reduce when they can be summed")
     group.add_argument("--find-unused-parameters", action="store_true",
                        help="let DDP handle parameters that get no gradient")
+    group.add_argument("--ddp-backend", choices=("c10d", "fully_sharded"), default="c10d",
+                       help="c10d: replicate the model (DistributedDataParallel); fully_sharded: shard "
+                            "parameters, gradients and optimizer state over the ranks (FSDP2), for models "
+                            "larger than the smallest device")
+    group.add_argument("--no-reshard-after-forward", action="store_true",
+                       help="with fully_sharded: keep each unit's parameters gathered from its forward to "
+                            "its backward (less communication, more memory; ZeRO-2-like)")
     group.add_argument("--zero-sharding", choices=("none", "os"), default="none",
                        help="os: shard optimizer state across ranks (ZeRO stage 1); "
                             "each rank updates its shard and broadcasts it")
@@ -246,6 +253,10 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--balance-threshold must be in [0, 1), got {args.balance_threshold}")
     if args.zero_shard_weights is not None and args.zero_sharding != "os":
         raise ConfigError("--zero-shard-weights needs --zero-sharding os")
+    if args.ddp_backend == "fully_sharded" and args.zero_sharding != "none":
+        raise ConfigError("--ddp-backend fully_sharded already shards the optimizer state; drop --zero-sharding")
+    if args.no_reshard_after_forward and args.ddp_backend != "fully_sharded":
+        raise ConfigError("--no-reshard-after-forward needs --ddp-backend fully_sharded")
 
 
 def plain_config(args: argparse.Namespace) -> dict[str, Any]:

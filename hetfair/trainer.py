@@ -15,7 +15,8 @@ import math
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from types import ModuleType
+from typing import Any, Callable, ContextManager, Optional
 
 import torch
 from torch import nn
@@ -23,8 +24,9 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.stats import UpdateResult, is_summable, sum_logs, sync_stats
-from hetfair.distributed.zero import ShardingConfig, build_optimizer, full_state_dict
-from hetfair.errors import CheckpointError, DivergenceError, first_line
+from hetfair.distributed.zero import ShardingConfig, build_optimizer, check_ranks_agree, full_state_dict
+from hetfair.errors import CheckpointError, ConfigError, DivergenceError, first_line
+from hetfair.models import HetfairModel
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY, LRScheduler
 from hetfair.utils import derived_seed, move_to_device
 
@@ -41,10 +43,15 @@ class TrainerConfig:
     """The optimizer's registry name, recorded in checkpoints."""
     reset_optimizer: bool = False
     """On restore, load the model only; optimizer and schedule start afresh."""
+    fully_sharded: bool = False
+    """Shard parameters, gradients and optimizer state (``--ddp-backend fully_sharded``) instead of DDP."""
+    reshard_after_forward: bool = True
+    """With ``fully_sharded``: free each unit's gathered parameters after its forward."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainerConfig":
-        return cls(args.seed, args.clip_norm, args.find_unused_parameters, args.optimizer, args.reset_optimizer)
+        return cls(args.seed, args.clip_norm, args.find_unused_parameters, args.optimizer, args.reset_optimizer,
+                   args.ddp_backend == "fully_sharded", not args.no_reshard_after_forward)
 
 
 class _ComputeClock:
@@ -80,9 +87,10 @@ class Trainer:
         self.context = context
         self.model = model.to(context.device)
         self.criterion = criterion.to(context.device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.wrapped_model: nn.Module = self.model
-        if context.is_distributed:
+        self._fsdp = _fully_shard(self.model, config, context) if config.fully_sharded else None
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        if context.is_distributed and self._fsdp is None:
             self.wrapped_model = DistributedDataParallel(
                 self.model,
                 device_ids=[context.device.index] if context.device.type == "cuda" else None,
@@ -101,6 +109,7 @@ class Trainer:
         """The trainer of ``args``: its ``--optimizer`` (sharded as ``--zero-sharding`` says) and ``--lr-scheduler``."""
         recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
         sharding = ShardingConfig.from_args(args)
+        check_ranks_agree(sharding, context)  # before any collective that differs between the modes
         return cls(
             TrainerConfig.from_args(args), model, criterion, context, dummy_batch,
             optimizer_factory=lambda params: build_optimizer(recipe, args, params, context, sharding),
@@ -121,15 +130,14 @@ class Trainer:
         # 1. forward/backward of each micro-batch; gradients sync on the last only
         for index, sample in enumerate(samples):
             is_last = index == len(samples) - 1
-            if sample is None and not (is_last and self.context.is_distributed):
+            if sample is None and not self._joins_collectives(is_last):
                 continue  # nothing to compute and no collective to join
             _seed_rng(derived_seed(self.config.seed, self.num_updates, index, self.context.rank), self.context.device)
             batch = move_to_device(sample if sample is not None else self._dummy_batch, self.context.device)
-            sync = nullcontext() if is_last or not self.context.is_distributed else self.wrapped_model.no_sync()
-            with sync:
+            with self._gradient_sync(is_last):
                 loss, sample_size, logs = self.criterion(self.wrapped_model, batch)
                 if sample is None:
-                    loss = loss * 0.0  # joins DDP's all-reduce with a zero gradient
+                    loss = loss * 0.0  # joins the gradient all-reduce with a zero gradient
                 loss.backward()
             if sample is None:
                 # zeroed logs keep the key set identical on every rank for the packed all-reduce
@@ -150,11 +158,12 @@ class Trainer:
         if total_sample_size <= 0:
             return None
 
-        # 3. normalise by the global sample count (DDP already divided by world size)
+        # 3. normalise by the global sample count (DDP / FSDP already divided by world size)
         grads = [p.grad for p in self.params if p.grad is not None]
-        torch._foreach_mul_(grads, self.context.world_size / total_sample_size)
+        local_grads = self._fsdp.local_tensors(grads) if self._fsdp else grads  # this rank's shards
+        torch._foreach_mul_(local_grads, self.context.world_size / total_sample_size)
 
-        # 4. clip by global norm (gradients are identical on all ranks after DDP)
+        # 4. clip by global norm (over all shards; replicated gradients are identical on all ranks)
         gnorm = self._clip_grad_norm(grads)
         if not math.isfinite(gnorm):
             raise DivergenceError(
@@ -170,7 +179,27 @@ class Trainer:
         return UpdateResult(synced.totals, synced.per_rank["samples"], synced.per_rank["compute_seconds"],
                             lr=lr, gnorm=gnorm, clipped=clip_norm > 0 and gnorm > clip_norm)
 
+    def _joins_collectives(self, is_last: bool) -> bool:
+        """Whether a micro-batch must run even without samples: it holds collectives the other ranks run.
+
+        DDP communicates in the last micro-batch's backward only; FSDP gathers parameters in every one.
+        """
+        return self.context.is_distributed and (is_last or self._fsdp is not None)
+
+    def _gradient_sync(self, is_last: bool) -> ContextManager[Any]:
+        """Gradients are reduced in the last micro-batch's backward only (``--update-freq``)."""
+        if self._fsdp is not None:
+            self._fsdp.set_gradient_sync(self.model, is_last)
+            return nullcontext()
+        if is_last or not self.context.is_distributed:
+            return nullcontext()
+        return self.wrapped_model.no_sync()  # type: ignore[operator]
+
     def _clip_grad_norm(self, grads: list[torch.Tensor]) -> float:
+        if self._fsdp is not None:
+            if self.config.clip_norm > 0:
+                return self._fsdp.clip_grad_norm(self.params, self.config.clip_norm)
+            return self._fsdp.total_norm(grads)
         if self.config.clip_norm > 0:
             return float(torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_norm))
         if not grads:
@@ -180,12 +209,21 @@ class Trainer:
     # -- checkpoint state -------------------------------------------------------
     def optimizer_state_dict(self) -> Optional[dict[str, Any]]:
         """The full optimizer state (collective when sharded; ``None`` off the master)."""
+        if self._fsdp is not None:
+            state = self._fsdp.full_optimizer_state_dict(self.model, self.optimizer, self.params)
+            return state if self.context.is_master else None
         return full_state_dict(self.optimizer, self.context)
+
+    def model_state_dict(self) -> dict[str, torch.Tensor]:
+        """The full model state (a collective when fully sharded; complete on the master)."""
+        if self._fsdp is not None:
+            return self._fsdp.full_model_state_dict(self.model)
+        return self.model.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         """Model, full optimizer state, schedule and update count (a collective when sharded)."""
         return {
-            "model": self.model.state_dict(),
+            "model": self.model_state_dict(),
             "optimizer": self.optimizer_state_dict(),
             "optimizer_name": self.config.optimizer,
             "lr_scheduler": self.lr_scheduler.state_dict(),
@@ -195,8 +233,11 @@ class Trainer:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; with ``reset_optimizer`` only the model and update count."""
         try:
-            self.model.load_state_dict(state["model"])
-        except RuntimeError as exc:
+            if self._fsdp is not None:
+                self._fsdp.load_full_model_state_dict(self.model, state["model"])
+            else:
+                self.model.load_state_dict(state["model"])
+        except (RuntimeError, KeyError) as exc:
             raise CheckpointError(f"checkpoint does not fit this model: {first_line(exc)}") from exc
         self.num_updates = int(state["num_updates"])
         if not self.config.reset_optimizer:
@@ -206,12 +247,27 @@ class Trainer:
                     f"{self.config.optimizer}; use the same optimizer or pass --reset-optimizer"
                 )
             try:
-                self.optimizer.load_state_dict(state["optimizer"])
+                if self._fsdp is not None:
+                    self._fsdp.load_full_optimizer_state_dict(self.model, self.optimizer, self.params,
+                                                              state["optimizer"])
+                else:
+                    self.optimizer.load_state_dict(state["optimizer"])
             except (ValueError, KeyError, IndexError, RuntimeError) as exc:
                 raise CheckpointError(f"optimizer state does not fit: {first_line(exc)}; "
                                       f"pass --reset-optimizer to start it afresh") from exc
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.lr_scheduler.step_update(self.num_updates)
+
+
+def _fully_shard(model: nn.Module, config: TrainerConfig, context: DistributedContext) -> ModuleType:
+    """Shard ``model`` with FSDP2 (in place); returns the module of helpers for sharded state."""
+    if not context.is_distributed:
+        raise ConfigError("--ddp-backend fully_sharded needs more than one process (--distributed-world-size N)")
+    from hetfair.distributed import fsdp  # torch's FSDP and distributed checkpoint: imported only when used
+
+    units = model.sharding_units() if isinstance(model, HetfairModel) else []
+    fsdp.shard_model(model, units, config.reshard_after_forward)
+    return fsdp
 
 
 def _seed_rng(seed: int, device: torch.device) -> None:

@@ -75,7 +75,7 @@ class TrainingRun:
         valid_caps = all_gather_ints(context, local_capacity(args, self.task,
                                                              args.max_sentences_valid or args.max_sentences))
         self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, valid_caps,
-                                   args.num_workers)
+                                   args.num_workers, forward_every_batch=args.ddp_backend == "fully_sharded")
         self.global_batch_size = global_batch_size(args, self.caps)
         self.balancer = (LoadBalancer(self.caps, self.global_batch_size, BalanceConfig.from_args(args))
                          if args.auto_balance else None)

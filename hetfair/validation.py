@@ -20,17 +20,20 @@ class Validator:
     """Sums the criterion's logs over a split, in order, each rank taking its share of every batch.
 
     ``caps[r]`` is rank ``r``'s validation batch size (one entry on a single process). The
-    sums of all ranks are added in one all-reduce and reduced by the criterion to metrics.
+    sums of all ranks are added in one all-reduce and reduced by the criterion to metrics. With
+    ``forward_every_batch`` (a fully sharded model) a rank without samples in a batch still runs a
+    forward, uncounted, to join the parameter gathers of the others.
     """
 
     def __init__(self, task: Task, model: nn.Module, criterion: HetfairCriterion, context: DistributedContext,
-                 caps: Sequence[int], num_workers: int = 0) -> None:
+                 caps: Sequence[int], num_workers: int = 0, forward_every_batch: bool = False) -> None:
         self.task = task
         self.model = model
         self.criterion = criterion
         self.context = context
         self.caps = list(caps)
         self.num_workers = num_workers
+        self.forward_every_batch = forward_every_batch  # a fully sharded model gathers in every forward
         self._log_keys: list[str] | None = None
 
     @torch.no_grad()
@@ -44,6 +47,8 @@ class Validator:
         for sample in batches:
             if sample is not None:
                 sum_logs(totals, self._logs(sample))
+            elif self.forward_every_batch:
+                self._logs(self.task.collater([dataset[0]]))  # joins the other ranks' collectives; not counted
         synced = sync_stats(self.context, totals, {})
         return self.criterion.reduce_metrics(synced.totals)
 

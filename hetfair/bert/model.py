@@ -183,6 +183,10 @@ class BertModel(HetfairModel):
         self.nsp = nsp
         self.apply(self._init_weights)
 
+    def sharding_units(self) -> list[nn.Module]:
+        """One unit per encoder layer; embeddings and heads (tied to them) stay in the root unit."""
+        return list(self.layers)
+
     def _init_weights(self, module: nn.Module) -> None:
         if isinstance(module, (nn.Linear, nn.Embedding)):
             nn.init.normal_(module.weight, std=self.config.initializer_range)

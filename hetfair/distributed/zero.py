@@ -30,14 +30,15 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ShardingConfig:
-    """``--zero-sharding`` (``none`` or ``os``) and ``--zero-shard-weights`` (text, as given)."""
+    """``--zero-sharding`` (``none`` or ``os``), ``--zero-shard-weights`` (text, as given), ``--ddp-backend``."""
 
     zero_sharding: str = "none"
     zero_shard_weights: Optional[str] = None
+    ddp_backend: str = "c10d"
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ShardingConfig":
-        return cls(args.zero_sharding, args.zero_shard_weights)
+        return cls(args.zero_sharding, args.zero_shard_weights, args.ddp_backend)
 
 
 def build_optimizer(
@@ -48,7 +49,6 @@ def build_optimizer(
     sharding: ShardingConfig,
 ) -> torch.optim.Optimizer:
     """``recipe``'s optimizer over ``params`` (its flags in ``args``), sharded across ranks for ``os``."""
-    _check_ranks_agree(sharding, context)
     if sharding.zero_sharding == "none":
         return recipe.build(args, params)
     if not context.is_distributed:
@@ -60,16 +60,16 @@ def build_optimizer(
     return ShardedOptimizer(params, recipe.torch_class, weights, **recipe.torch_kwargs(args))
 
 
-def _check_ranks_agree(sharding: ShardingConfig, context: DistributedContext) -> None:
+def check_ranks_agree(sharding: ShardingConfig, context: DistributedContext) -> None:
     """Fail on every rank, rather than hang or diverge, when nodes were given different sharding flags."""
     if not context.is_distributed:
         return
-    setting = f"{sharding.zero_sharding}|{sharding.zero_shard_weights}"
+    setting = f"{sharding.zero_sharding}|{sharding.zero_shard_weights}|{sharding.ddp_backend}"
     fingerprints = all_gather_ints(context, zlib.crc32(setting.encode()))
     if len(set(fingerprints)) > 1:
         differing = [rank for rank, value in enumerate(fingerprints) if value != fingerprints[0]]
         raise ConfigError(
-            f"ranks {differing} were given other --zero-sharding/--zero-shard-weights than rank 0; "
+            f"ranks {differing} were given other --ddp-backend/--zero-sharding/--zero-shard-weights than rank 0; "
             f"give every node's command the same values"
         )
 

@@ -21,3 +21,13 @@ class HetfairModel(nn.Module):
     @classmethod
     def build_model(cls, args: argparse.Namespace, task: "Task") -> "HetfairModel":
         raise NotImplementedError
+
+    def sharding_units(self) -> list[nn.Module]:
+        """Submodules sharded as units of their own with ``--ddp-backend fully_sharded``.
+
+        Each unit's parameters are gathered just for its forward and backward, so a model
+        larger than one device trains when no unit is. The default, ``[]``, makes the whole
+        model one unit (still sharded at rest). Return e.g. the transformer layers; modules
+        that share a parameter (tied embeddings) must stay in the same unit or in the rest.
+        """
+        return []
