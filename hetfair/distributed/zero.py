@@ -69,7 +69,8 @@ def check_ranks_agree(sharding: ShardingConfig, context: DistributedContext) -> 
     if len(set(fingerprints)) > 1:
         differing = [rank for rank, value in enumerate(fingerprints) if value != fingerprints[0]]
         raise ConfigError(
-            f"ranks {differing} were given other --ddp-backend/--zero-sharding/--zero-shard-weights than rank 0; "
+            f"ranks {differing} were given other --zero-sharding/--zero-shard-weights than rank 0 "
+            f"(or another --ddp-backend); "
             f"give every node's command the same values"
         )
 
