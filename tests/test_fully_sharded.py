@@ -91,3 +91,12 @@ def test_bert_sharded_per_encoder_layer_matches_one_process(tmp_path):
     assert expected.keys() == actual.keys()
     for name in expected:
         torch.testing.assert_close(actual[name], expected[name], atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_ranks_with_different_ddp_backends_fail_together(tmp_path):
+    init = f"tcp://127.0.0.1:{free_port()}"
+    commands = [toy_train_args(tmp_path / "ckpt", 1, backend) + [
+        "--distributed-world-size", "2", "--distributed-rank", str(rank), "--distributed-gpus", "1",
+        "--distributed-init-method", init] for rank, backend in enumerate([("--ddp-backend", "fully_sharded"), ()])]
+    for result in run_nodes(commands, cwd=tmp_path, timeout=120):
+        assert result.returncode == 2 and "(or another --ddp-backend)" in result.stderr, result.stderr
