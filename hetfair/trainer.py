@@ -85,10 +85,11 @@ class Trainer:
     ) -> None:
         self.config = config
         self.context = context
-        self.model = model.to(context.device)
         self.criterion = criterion.to(context.device)
+        # fully sharded: shard first, then move only the shards (the whole model need not fit the device)
+        self._fsdp = _fully_shard(model, config, context) if config.fully_sharded else None
+        self.model = model.to(context.device)
         self.wrapped_model: nn.Module = self.model
-        self._fsdp = _fully_shard(self.model, config, context) if config.fully_sharded else None
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if context.is_distributed and self._fsdp is None:
             self.wrapped_model = DistributedDataParallel(
