@@ -13,6 +13,7 @@ from hetfair.distributed.context import DistributedContext
 from hetfair.errors import CheckpointError, first_line
 from hetfair.plugins import import_user_dir
 from hetfair.tasks import TASK_REGISTRY
+from hetfair.utils import state_dict_mismatch
 from hetfair.validation import Validator
 
 
@@ -35,7 +36,8 @@ def evaluate_checkpoint(path: Path, subset: str, overrides: dict[str, Any]) -> d
     try:
         model.load_state_dict(model_weights(state))
     except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint {path} does not fit the model it names: {first_line(exc)}") from exc
+        detail = state_dict_mismatch(model.state_dict(), model_weights(state)) or first_line(exc)
+        raise CheckpointError(f"checkpoint {path} does not fit the model it names: {detail}") from exc
     criterion = task.build_criterion(args)
     context = DistributedContext(rank=0, world_size=1, local_rank=0, device=device)
     batch_size = args.max_sentences_valid or args.max_sentences or 32

@@ -20,6 +20,7 @@ from hetfair.models import MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.plugins import import_user_dir
 from hetfair.tasks import TASK_REGISTRY
+from hetfair.utils import DefaultsHelpFormatter
 
 LOG_FORMATS = ("tqdm", "simple", "json", "none")
 
@@ -165,6 +166,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hetfair-train",
         description="Train a model with hetfair on one or many (heterogeneous) processes.",
         allow_abbrev=False,
+        formatter_class=DefaultsHelpFormatter,
     )
     for add in (add_common_args, add_component_args, add_dataset_args, add_optimization_args,
                 add_checkpoint_args, add_distributed_args, add_balance_args):
