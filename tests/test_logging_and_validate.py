@@ -8,6 +8,8 @@ import os
 import pty
 import re
 import struct
+import subprocess
+import sys
 import termios
 import threading
 import time
@@ -27,6 +29,10 @@ from hetfair_cli.validate import main as validate_main
 
 # The toy task: 200 samples in batches of 16 make 13 updates per epoch (12 of 16 samples, one of 8).
 INNER_STEPS = [5, 10, 13, 15, 20, 25, 26]  # every --log-interval 5 updates, and at each epoch's end
+
+
+def validate_command(*args: str) -> list[str]:
+    return [sys.executable, "-m", "hetfair_cli.validate", *args]
 
 
 def toy(save_dir: Path, *extra: str) -> list[str]:
@@ -232,3 +238,18 @@ def test_validate_equals_a_plain_pytorch_evaluation(tmp_path, capsys):
     reported = json.loads(capsys.readouterr().out.strip())
     assert abs(reported["loss"] - expected_loss) < 1e-5
     assert abs(reported["accuracy"] - expected_accuracy) < 1e-4
+
+
+def test_validate_into_a_closed_pipe_ends_quietly(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    assert train_main(toy(save_dir, "--log-format", "none", "--max-epoch", "1")) == 0
+    reader, writer = os.pipe()
+    os.close(reader)  # like `| head -1` once head has gone: nobody reads the lines
+    try:
+        result = subprocess.run(validate_command("--path", str(save_dir / "checkpoint_last.pt"),
+                                                 "--valid-subset", "valid,test"),
+                                stdout=writer, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
+    finally:
+        os.close(writer)
+    assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
+    assert result.returncode == 141
