@@ -210,7 +210,7 @@ def test_list_plugins_shows_where_each_name_comes_from(user_dir, capsys):
     assert code == 0
     rows = {tuple(line.split(None, 1)) for line in out.splitlines() if line.startswith("  ")}
     assert ("clitest_task", f"user code ({PACKAGE}.CliTestTask)") in rows
-    assert ("clitest_tiny", f"user code ({PACKAGE}.clitest_tiny)") in rows
+    assert ("clitest_tiny", f"user code ({PACKAGE}.clitest_tiny), model clitest_model") in rows
     assert ("cross_entropy", "built-in (hetfair.criteria.cross_entropy.CrossEntropyCriterion)") in rows
     assert ("adam", "built-in (hetfair.optim.adam.Adam)") in rows
 
