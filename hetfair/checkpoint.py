@@ -118,7 +118,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a hetfair checkpoint: {_load_failure(exc)}") from exc
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or not a hetfair checkpoint: {_load_failure(exc)}") from exc
     version = state.get("format_version") if isinstance(state, dict) else None
     if not isinstance(version, int) or TRAINER not in state:
         raise CheckpointError(f"checkpoint {path} is not a hetfair checkpoint (format {FORMAT_VERSION})")

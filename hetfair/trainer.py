@@ -235,7 +235,7 @@ def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
 def _override_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> dict[str, tuple[Any, Any]]:
     """Put ``settings`` back into the param groups; return ``{name: (replaced value, value)}`` where they differ."""
     changed: dict[str, tuple[Any, Any]] = {}
-    for group, wanted in zip(optimizer.param_groups, settings):
+    for group, wanted in zip(optimizer.param_groups, settings, strict=True):
         for name, value in wanted.items():
             if not _same(group.get(name), value):
                 changed.setdefault(name, (group.get(name), value))

@@ -247,7 +247,7 @@ def test_option_defaults_for_unknown_options_are_a_config_error(user_dir):
     "defaults, problem",
     [
         ({"lr": [1e-3]}, "the default of --lr to [0.001], but --lr takes a number, not a list"),
-        ({"max_sentences": 8.5}, "the default of --max-sentences to 8.5, but --max-sentences takes an integer, not a float"),
+        ({"max_sentences": 8.5}, "--max-sentences to 8.5, but --max-sentences takes an integer, not a float"),
         ({"max_sentences": True}, "--max-sentences takes an integer, not a bool"),
         ({"max_sentences": "many"}, "the default of --max-sentences to 'many', but --max-sentences takes an integer"),
         ({"cpu": "yes"}, "the default of --cpu to 'yes', but --cpu is a switch: give True or False"),

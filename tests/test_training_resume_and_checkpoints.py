@@ -200,10 +200,9 @@ def test_a_run_ends_with_one_summary_line(tmp_path, capsys):
                                "--tensorboard-logdir", str(logdir))) == 0
     lines = capsys.readouterr().err.splitlines()
     best = load_checkpoint(save_dir / "checkpoint_best.pt")["best_metric"]
-    assert re.fullmatch(
-        rf"done \| num_updates 26 \| epochs 2 \| wall 0:00:\d\d \| best loss {best:.3f} "
-        rf"\({re.escape(str(save_dir / 'checkpoint_best.pt'))}\) \| last {re.escape(str(save_dir / 'checkpoint_last.pt'))}",
-        lines[-2]), lines[-2]
+    best_file, last_file = (re.escape(str(save_dir / name)) for name in ("checkpoint_best.pt", "checkpoint_last.pt"))
+    assert re.fullmatch(rf"done \| num_updates 26 \| epochs 2 \| wall 0:\d\d:\d\d \| best loss {best:.3f} "
+                        rf"\({best_file}\) \| last {last_file}", lines[-2]), lines[-2]
     assert lines[-1] == f"TensorBoard logs are in {logdir}; view them with: tensorboard --logdir {logdir}"
 
 

@@ -57,8 +57,8 @@ def main(argv: Sequence[str]) -> int:
         print(f"torch {present.stdout.strip()} is already installed; keeping it")
         return 0
     gpu = has_nvidia_gpu()
-    print(f"installing torch {version}, {'CUDA build (an NVIDIA GPU is present)' if gpu else 'CPU build (no NVIDIA GPU)'}",
-          flush=True)
+    build = "CUDA build (an NVIDIA GPU is present)" if gpu else "CPU build (no NVIDIA GPU)"
+    print(f"installing torch {version}, {build}", flush=True)
     *earlier, last = install_attempts(version, gpu, platform.system(), platform.machine())
     for arguments in earlier:  # these may fail quietly: the next attempt follows
         if subprocess.run([python, "-m", "pip", "install", "--quiet", *arguments], capture_output=True,
