@@ -17,7 +17,6 @@ import resource
 import statistics
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import torch

@@ -118,7 +118,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
-        raise CheckpointError(f"checkpoint {path} is corrupt or not a hetfair checkpoint: {first_line(exc)}") from exc
+        raise CheckpointError(
+            f"checkpoint {path} is corrupt or not a hetfair checkpoint: {_load_failure(exc)}") from exc
     version = state.get("format_version") if isinstance(state, dict) else None
     if not isinstance(version, int) or TRAINER not in state:
         raise CheckpointError(f"checkpoint {path} is not a hetfair checkpoint (format {FORMAT_VERSION})")
@@ -131,6 +132,19 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         state = {**MIGRATIONS[version](state), "format_version": version + 1}
         version += 1
     return state
+
+
+def _load_failure(exc: BaseException) -> str:
+    """Why ``torch.load(weights_only=True)`` failed, in one line.
+
+    torch's weights-only refusal opens with paragraphs of advice; its cause (the
+    Python object it would not unpickle) is on a later line.
+    """
+    cause = re.search(r"WeightsUnpickler error: (.*?)(?: Please use|\n|$)", str(exc))
+    if cause:
+        return (f"it holds Python objects beyond tensors and plain data ({cause.group(1).strip()}); "
+                f"hetfair loads checkpoints with weights_only=True")
+    return first_line(exc)
 
 
 def stored_config(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -252,8 +266,27 @@ class Checkpointer:
                 raise ConfigError(f"--restore-file {path} does not exist")
             return None
         state = load_checkpoint(path)
-        for name, part in self.parts.items():
-            if name in state:
-                part.load_state_dict(state[name])
+        try:
+            for name, part in self.parts.items():
+                if name in state:
+                    part.load_state_dict(state[name])
+        except CheckpointError as exc:
+            raise CheckpointError(f"cannot resume from {self._describe_restore(path)}: {exc}"
+                                  f"{self._arch_note(state)}; {self._fresh_start_hint(path)}") from exc
         self.best_metric = state.get("best_metric")
         return path
+
+    def _describe_restore(self, path: Path) -> str:
+        if self.config.restore_file == DEFAULT_RESTORE_FILE:
+            return f"{path} (resumed automatically: it is the last checkpoint in --save-dir {self.config.save_dir})"
+        return f"--restore-file {path}"
+
+    def _arch_note(self, state: Mapping[str, Any]) -> str:
+        """Which ``--arch`` wrote the checkpoint, when it is not this run's."""
+        written_with, now = (state.get("config") or {}).get("arch"), self.options.get("arch")
+        return f" (it was written with --arch {written_with}, this run has --arch {now})" if written_with != now else ""
+
+    def _fresh_start_hint(self, path: Path) -> str:
+        if self.config.restore_file == DEFAULT_RESTORE_FILE:
+            return f"to start afresh, pass another --save-dir (or move {path} away)"
+        return "pass a --restore-file that this run's options fit"

@@ -6,6 +6,8 @@ instead of showing a traceback (set ``HETFAIR_DEBUG=1`` or pass ``--debug`` to
 see it).
 """
 
+import re
+
 
 class HetfairError(Exception):
     """Base class of all errors caused by user input or environment."""
@@ -49,7 +51,21 @@ class DivergenceError(HetfairError):
     """Training produced non-finite gradients."""
 
 
-def first_line(exc: BaseException) -> str:
-    """The first line of an exception's message (its type name when empty), for one-line errors."""
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else type(exc).__name__
+_ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """An exception's message on one line, for one-line errors (its type name when empty).
+
+    That is the message's first line, unless it only introduces details (ends with
+    ``:``, as torch's "Error(s) in loading state_dict for Net:"): then the detail
+    lines follow it, joined by ``; ``. Terminal colour codes are dropped and the
+    line is cut at ``limit`` characters.
+    """
+    lines = [line.strip() for line in _ANSI_CODES.sub("", str(exc)).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    line = lines[0]
+    if line.endswith(":") and len(lines) > 1:
+        line = f"{line} {'; '.join(lines[1:])}"
+    return line if len(line) <= limit else line[: limit - 3] + "..."

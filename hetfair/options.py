@@ -16,10 +16,11 @@ from typing import Any, Sequence
 
 from hetfair.criteria import CRITERION_REGISTRY
 from hetfair.errors import ConfigError
-from hetfair.models import MODEL_REGISTRY, arch_names, resolve_arch
+from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.plugins import import_user_dir
 from hetfair.tasks import TASK_REGISTRY
+from hetfair.utils import DefaultsHelpFormatter
 
 LOG_FORMATS = ("tqdm", "simple", "json", "none")
 
@@ -172,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="hetfair-train",
         description="Train a model with hetfair on one or many (heterogeneous) processes.",
         allow_abbrev=False,
+        formatter_class=DefaultsHelpFormatter,
     )
     for add in (add_common_args, add_component_args, add_dataset_args, add_optimization_args,
                 add_checkpoint_args, add_distributed_args, add_balance_args):
@@ -180,11 +182,61 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _set_defaults(parser: argparse.ArgumentParser, defaults: dict[str, Any], owner: str) -> None:
-    dests = {action.dest for action in parser._actions}
-    unknown = sorted(set(defaults) - dests)
+    """Apply a component's option defaults after checking that each names an option and fits its type."""
+    if not isinstance(defaults, dict):
+        raise ConfigError(f"{owner} must give its option defaults as a dict, not {type(defaults).__name__}")
+    actions = {action.dest: action for action in parser._actions}
+    unknown = sorted(set(defaults) - set(actions))
     if unknown:
         raise ConfigError(f"{owner} sets defaults for unknown options: {', '.join(unknown)}")
+    for dest, value in defaults.items():
+        problem = _default_problem(actions[dest], value)
+        if problem:
+            flag = actions[dest].option_strings[0]
+            raise ConfigError(f"{owner} sets the default of {flag} to {value!r}, but {flag} {problem}")
     parser.set_defaults(**defaults)
+
+
+_TYPE_NAMES = {int: "an integer", float: "a number"}
+
+
+def _default_problem(action: argparse.Action, value: Any) -> str | None:
+    """Why ``value`` cannot be the default of ``action``'s option, or ``None`` when it can."""
+    if value is None:
+        return None
+    if action.nargs == 0:  # a switch (store_true, store_const, ...)
+        return None if isinstance(value, bool) else "is a switch: give True or False"
+    if action.nargs not in (None, "?"):
+        if not isinstance(value, (list, tuple)):
+            return "takes a list of values"
+        problems = [_value_problem(action, item) for item in value]
+        return next((problem for problem in problems if problem), None)
+    return _value_problem(action, value)
+
+
+def _value_problem(action: argparse.Action, value: Any) -> str | None:
+    """Why ``value`` is no single value of ``action``'s option, or ``None``."""
+    convert = action.type
+    if isinstance(value, str):
+        if convert is not None:  # argparse converts string defaults like command-line text
+            try:
+                value = convert(value)
+            except (TypeError, ValueError, argparse.ArgumentTypeError):
+                return f"takes {_TYPE_NAMES.get(convert, 'another kind of value')}"
+    elif convert is None:
+        return f"takes text, not {_a(value)}"
+    elif convert in _TYPE_NAMES:
+        allowed = (int,) if convert is int else (int, float)
+        if isinstance(value, bool) or not isinstance(value, allowed):
+            return f"takes {_TYPE_NAMES[convert]}, not {_a(value)}"
+    if action.choices is not None and value not in action.choices:
+        return f"takes one of: {', '.join(map(str, action.choices))}"
+    return None
+
+
+def _a(value: Any) -> str:
+    name = type(value).__name__
+    return f"an {name}" if name[0] in "aeiou" else f"a {name}"
 
 
 def _add_component_flags(parser: argparse.ArgumentParser, title: str, component: Any) -> None:
@@ -217,7 +269,7 @@ def parse_train_args(argv: Sequence[str]) -> argparse.Namespace:
         return args
 
     task_cls = TASK_REGISTRY.get(early.task)
-    _set_defaults(parser, task_cls.option_defaults, f"task '{early.task}'")
+    _set_defaults(parser, task_cls.option_defaults, f"task '{early.task}' [{TASK_REGISTRY.source(early.task)}]")
     chosen, _ = parser.parse_known_args(probe_argv)
     if chosen.arch is None:
         raise ConfigError(f"task '{early.task}' has no default --arch; choose one of: {_known(arch_names())}")
@@ -229,11 +281,16 @@ def parse_train_args(argv: Sequence[str]) -> argparse.Namespace:
     _add_component_flags(parser, f"optimizer '{chosen.optimizer}'", OPTIMIZER_REGISTRY.get(chosen.optimizer))
     _add_component_flags(parser, f"lr scheduler '{chosen.lr_scheduler}'",
                          LR_SCHEDULER_REGISTRY.get(chosen.lr_scheduler))
-    _set_defaults(parser, arch_defaults, f"architecture '{chosen.arch}'")
+    _set_defaults(parser, arch_defaults, f"architecture '{chosen.arch}' [{_arch_source(chosen.arch)}]")
     args = parser.parse_args(argv)
     args.model = model_name
     validate_args(args)
     return args
+
+
+def _arch_source(arch: str) -> str:
+    """Where ``--arch`` comes from: the architecture's definition, or the model's when it names a model."""
+    return ARCH_REGISTRY.source(arch) if arch in ARCH_REGISTRY.names() else MODEL_REGISTRY.source(arch)
 
 
 def validate_args(args: argparse.Namespace) -> None:

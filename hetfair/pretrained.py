@@ -15,6 +15,7 @@ from hetfair.criteria import HetfairCriterion
 from hetfair.errors import CheckpointError, ComponentNotKnownError, first_line
 from hetfair.plugins import import_user_dir
 from hetfair.tasks import TASK_REGISTRY, Task
+from hetfair.utils import state_dict_mismatch
 
 
 @dataclass
@@ -53,7 +54,8 @@ def load_model(path: str | Path, user_dir: Optional[str | Path] = None, override
     try:
         model.load_state_dict(model_weights(state))
     except RuntimeError as exc:
-        raise CheckpointError(f"checkpoint {path} does not fit the model it names: {first_line(exc)}") from exc
+        detail = state_dict_mismatch(model.state_dict(), model_weights(state)) or first_line(exc)
+        raise CheckpointError(f"checkpoint {path} does not fit the model it names: {detail}") from exc
     return LoadedModel(model.to(device).eval(), task, options)
 
 

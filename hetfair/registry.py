@@ -129,16 +129,24 @@ class Registry(Generic[T]):
         return self._load_entry_point(entry_point)
 
     def source(self, name: str) -> str:
-        """Where ``name`` comes from, for ``--list-plugins`` (never imports plugins)."""
+        """Where ``name`` comes from, for messages and ``--list-plugins`` (never imports plugins)."""
+        return self.definitions(name)[0]
+
+    def definitions(self, name: str) -> list[str]:
+        """Every definition of ``name``, described: more than one is a clash (never imports plugins).
+
+        A name an entry point declares and its package registered when imported is one definition.
+        """
         self._import_builtins()
-        for ep in self._entry_points():
-            if ep.name == name:
-                if ep.distribution == "hetfair":  # hetfair's own components, registered like plugins
-                    return f"built-in ({ep.value.replace(':', '.').replace(' ', '')}, entry point of hetfair)"
-                return ep.describe()
-        registration = self._entries[name]
-        where = "built-in" if registration.module.startswith("hetfair.") else "user code"
-        return f"{where} ({registration.origin})"
+        entry_points = [ep for ep in self._entry_points() if ep.name == name]
+        found = [_describe_entry_point(ep) for ep in entry_points]
+        registration = self._entries.get(name)
+        if registration is not None and not any(_defined_by(ep, registration) for ep in entry_points):
+            where = "built-in" if registration.module.startswith("hetfair.") else "user code"
+            found.append(f"{where} ({registration.origin})")
+        if not found:
+            raise ComponentNotKnownError(f"unknown {self.kind} '{name}'")
+        return found
 
     # -- internals -------------------------------------------------------------
     def _import_builtins(self) -> None:
@@ -163,6 +171,12 @@ class Registry(Generic[T]):
                 f"named '{entry_point.name}'"
             )
         return self._entries[entry_point.name].obj  # type: ignore[return-value]
+
+
+def _describe_entry_point(entry_point: PluginEntryPoint) -> str:
+    if entry_point.distribution == "hetfair":  # hetfair's own components, registered like plugins
+        return f"built-in ({entry_point.value.replace(':', '.').replace(' ', '')}, entry point of hetfair)"
+    return entry_point.describe()
 
 
 def _defined_by(entry_point: PluginEntryPoint, registration: Registration) -> bool:

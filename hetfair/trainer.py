@@ -28,7 +28,7 @@ from hetfair.distributed.zero import ShardingConfig, build_optimizer, check_rank
 from hetfair.errors import CheckpointError, ConfigError, DivergenceError, first_line
 from hetfair.models import HetfairModel
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY, LRScheduler
-from hetfair.utils import derived_seed, move_to_device
+from hetfair.utils import derived_seed, move_to_device, state_dict_mismatch
 
 
 @dataclass(frozen=True)
@@ -100,6 +100,8 @@ class Trainer:
         self.optimizer = optimizer_factory(self.params)
         self.lr_scheduler = lr_scheduler_factory(self.optimizer)
         self.num_updates = 0
+        self.optimizer_overrides: dict[str, tuple[Any, Any]] = {}
+        """Optimizer settings of the last restore where the command line differs: ``{name: (checkpoint's, now)}``."""
         self.lr_scheduler.step_update(0)
         self._dummy_batch = dummy_batch
         self._clock = _ComputeClock(self.params)
@@ -232,14 +234,21 @@ class Trainer:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; with ``reset_optimizer`` only the model and update count."""
+        """Restore :meth:`state_dict`; with ``reset_optimizer`` only the model and update count.
+
+        The optimizer's settings (momentum, weight decay, betas, a plugin's own ...) are
+        those of the command line, not the checkpoint's, like fairseq's optimizer
+        overrides; :attr:`optimizer_overrides` lists the ones that changed.
+        """
         try:
             if self._fsdp is not None:
                 self._fsdp.load_full_model_state_dict(self.model, state["model"])
             else:
                 self.model.load_state_dict(state["model"])
         except (RuntimeError, KeyError) as exc:
-            raise CheckpointError(f"checkpoint does not fit this model: {first_line(exc)}") from exc
+            reference = self._fsdp.full_model_state_dict(self.model) if self._fsdp is not None else self.model.state_dict()
+            detail = state_dict_mismatch(reference, state["model"]) or first_line(exc)
+            raise CheckpointError(f"it does not fit model {type(self.model).__name__}: {detail}") from exc
         self.num_updates = int(state["num_updates"])
         if not self.config.reset_optimizer:
             if state.get("optimizer_name") != self.config.optimizer:
@@ -247,6 +256,7 @@ class Trainer:
                     f"checkpoint was trained with --optimizer {state.get('optimizer_name')}, not "
                     f"{self.config.optimizer}; use the same optimizer or pass --reset-optimizer"
                 )
+            settings = _settings(self.optimizer)  # as built from the command line
             try:
                 if self._fsdp is not None:
                     self._fsdp.load_full_optimizer_state_dict(self.model, self.optimizer, self.params,
@@ -256,6 +266,7 @@ class Trainer:
             except (ValueError, KeyError, IndexError, RuntimeError) as exc:
                 raise CheckpointError(f"optimizer state does not fit: {first_line(exc)}; "
                                       f"pass --reset-optimizer to start it afresh") from exc
+            self.optimizer_overrides = _override_settings(self.optimizer, settings)
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.lr_scheduler.step_update(self.num_updates)
 
@@ -269,6 +280,31 @@ def _fully_shard(model: nn.Module, config: TrainerConfig, context: DistributedCo
     units = model.sharding_units() if isinstance(model, HetfairModel) else []
     fsdp.shard_model(model, units, config.reshard_after_forward)
     return fsdp
+
+
+_NOT_SETTINGS = ("params", "lr", "initial_lr")  # the learning rate belongs to the LR scheduler
+
+
+def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each parameter group's hyper-parameters, learning rate excluded."""
+    return [{k: v for k, v in group.items() if k not in _NOT_SETTINGS} for group in optimizer.param_groups]
+
+
+def _override_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str, Any]]) -> dict[str, tuple[Any, Any]]:
+    """Put ``settings`` back into the param groups; return ``{name: (replaced value, value)}`` where they differ."""
+    changed: dict[str, tuple[Any, Any]] = {}
+    for group, wanted in zip(optimizer.param_groups, settings, strict=True):
+        for name, value in wanted.items():
+            if not _same(group.get(name), value):
+                changed.setdefault(name, (group.get(name), value))
+            group[name] = value
+    return changed
+
+
+def _same(a: Any, b: Any) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
+    return a == b
 
 
 def _seed_rng(seed: int, device: torch.device) -> None:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import math
+from datetime import timedelta
+from pathlib import Path
 from typing import Optional
 
 import torch
@@ -17,8 +19,8 @@ from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.stats import UpdateResult
 from hetfair.distributed.zero import shard_report
 from hetfair.errors import ConfigError
-from hetfair.logging.meters import IntervalStats
-from hetfair.logging.progress import Progress
+from hetfair.logging.meters import IntervalStats, Stopwatch
+from hetfair.logging.progress import Progress, format_metric
 from hetfair.logging.tensorboard import TensorBoardLogger
 from hetfair.options import plain_config
 from hetfair.rng import RngState, seed_everything
@@ -54,16 +56,24 @@ def global_batch_size(args: argparse.Namespace, caps: list[int]) -> int:
 
 
 def train(args: argparse.Namespace, context: DistributedContext) -> None:
-    """Train until ``--max-epoch`` / ``--max-update``; resumes from ``--restore-file`` if present."""
-    TrainingRun(args, context).run()
+    """Train until ``--max-epoch`` / ``--max-update``; resumes from ``--restore-file`` if present.
+
+    On the master, what components log (``logging`` at INFO, e.g. which data a task
+    found) is printed with the progress output.
+    """
+    progress = Progress(args.log_format, enabled=context.is_master)
+    with progress.showing_log_records():
+        TrainingRun(args, context, progress).run()
 
 
 class TrainingRun:
     """One process's training run: set-up, the epoch/update loop, validation and checkpoints as scheduled."""
 
-    def __init__(self, args: argparse.Namespace, context: DistributedContext) -> None:
+    def __init__(self, args: argparse.Namespace, context: DistributedContext,
+                 progress: Optional[Progress] = None) -> None:
         self.args = args
         self.context = context
+        self.progress = progress or Progress(args.log_format, enabled=context.is_master)
         seed_everything(args.seed)
         self.task = TASK_REGISTRY.get(args.task).setup_task(args)
         self.train_data = self.task.dataset(args.train_subset)
@@ -81,16 +91,16 @@ class TrainingRun:
                          if args.auto_balance else None)
         self.position = Position()
         self.clock = TrainingClock()
-        self.progress = Progress(args.log_format, enabled=context.is_master)
         self.tensorboard = TensorBoardLogger(args.tensorboard_logdir, enabled=context.is_master)
         reduce_metrics = self.trainer.criterion.reduce_metrics
         self.interval = IntervalStats(reduce_metrics)
         self.epoch_stats = IntervalStats(reduce_metrics)
+        self.stopwatch = Stopwatch()  # each update's seconds, for ups/wps
         self.checkpointer = Checkpointer(CheckpointConfig.from_args(args), self._checkpoint_parts(),
                                          plain_config(args), context.is_master)
         self._shards_to_report = args.zero_sharding == "os"
         self._check_best_metric_exists()
-        self._restore()
+        self.restored_from = self._restore()
         self._announce(model)
 
     def _checkpoint_parts(self) -> dict[str, Stateful]:
@@ -103,12 +113,16 @@ class TrainingRun:
 
     # -- the loop ----------------------------------------------------------------
     def run(self) -> None:
+        if self.should_stop():
+            self._notice(self._nothing_to_do())
+            return
         try:
             while not self.should_stop():
                 self.train_epoch()
         finally:
             self.progress.end_epoch()
             self.tensorboard.close()
+        self._summarize()
 
     def should_stop(self) -> bool:
         """The stopping rule: ``--max-update`` updates done, or every epoch up to ``--max-epoch`` done."""
@@ -117,17 +131,32 @@ class TrainingRun:
             return True
         return bool(args.max_epoch) and self.position.epoch > args.max_epoch
 
+    def _stop_reason(self) -> str:
+        """The limit :meth:`should_stop` hit, as the flag that set it: ``--max-update 500``."""
+        args = self.args
+        if args.max_update and self.trainer.num_updates >= args.max_update:
+            return f"--max-update {args.max_update}"
+        return f"--max-epoch {args.max_epoch}"
+
+    def _nothing_to_do(self) -> str:
+        reason = self._stop_reason()
+        source = f" ({self.restored_from} has {self.trainer.num_updates} updates)" if self.restored_from else ""
+        return f"nothing to do: {reason} reached{source}; raise {reason.split()[0]} to train further"
+
     def train_epoch(self) -> None:
         """Train the rest of the current epoch; unless training stops inside it, end it."""
         self.task.begin_epoch(self.position.epoch)
         updates = self._epoch_updates()
         self.progress.start_epoch(self.position.epoch, updates.steps_left(), 0)
+        self.interval.reset()  # a train_inner line never spans two epochs
+        self.stopwatch.restart()
         for update in updates:
             self.train_update(update)
-            if self.position.samples_done >= len(self.train_data):
-                break  # the epoch's last update: end_epoch() logs, validates and saves
+            end_of_epoch = self.position.samples_done >= len(self.train_data)
             stopping = self.should_stop()
-            self.after_update(stopping)
+            self.after_update(stopping, end_of_epoch)
+            if end_of_epoch:
+                break  # end_epoch() logs the epoch, validates and saves
             if stopping:
                 return
         self.progress.end_epoch()
@@ -147,13 +176,14 @@ class TrainingRun:
     def train_update(self, update: Update) -> None:
         """One update; its statistics go to the meters and the balancer (which may move the split)."""
         result = self.trainer.train_step(update.micro_batches)
+        seconds = self.stopwatch.lap()
         self.position.samples_done += update.global_samples
         self.progress.step(len(update.micro_batches))
         if self._shards_to_report:
             self._report_optimizer_shards()
         if result is not None:
-            self.interval.add(result)
-            self.epoch_stats.add(result)
+            self.interval.add(result, seconds)
+            self.epoch_stats.add(result, seconds)
             self._rebalance(result)
 
     def _rebalance(self, result: UpdateResult) -> None:
@@ -171,12 +201,15 @@ class TrainingRun:
         self.progress.log("zero", report, self.position.epoch, self.trainer.num_updates)
 
     # -- what is due between updates and after epochs ----------------------------------
-    def after_update(self, stopping: bool) -> None:
-        """Log, validate and save as the ``--*-interval-updates`` say; all of them when ``stopping``."""
+    def after_update(self, stopping: bool, end_of_epoch: bool = False) -> None:
+        """Log every ``--log-interval`` updates and at the end of an epoch or run; inside an epoch,
+        validate and save as the ``--*-interval-updates`` say (all of them when ``stopping``)."""
         args, num_updates = self.args, self.trainer.num_updates
-        if num_updates % args.log_interval == 0:
+        if num_updates % args.log_interval == 0 or end_of_epoch or stopping:
             self._log("train_inner", self.interval.metrics())
             self.interval.reset()
+        if end_of_epoch:
+            return  # end_epoch() validates and saves
         valid_metric = None
         if stopping or _every(args.validate_interval_updates, num_updates):
             valid_metric = self.validate()
@@ -184,6 +217,7 @@ class TrainingRun:
             self.checkpointer.save(self.position.epoch, num_updates, end_of_epoch=False, valid_metric=valid_metric)
         if stopping:
             self._log("train", self.epoch_stats.metrics())
+        self.stopwatch.restart()  # validating and saving are not the next update's time
 
     def end_epoch(self) -> None:
         """Log the epoch, validate when due, step the epoch schedule, move to the next epoch and save."""
@@ -233,10 +267,18 @@ class TrainingRun:
         return metrics[name]
 
     # -- checkpoints --------------------------------------------------------------------
-    def _restore(self) -> None:
-        if self.checkpointer.restore() is not None and self.context.is_master:
-            self.progress.log("restore", {"epoch": self.position.epoch, "samples_done": self.position.samples_done},
-                              self.position.epoch, self.trainer.num_updates)
+    def _restore(self) -> Optional[Path]:
+        """Resume from the checkpoint, if any; say so, and which optimizer settings the command line changed."""
+        path = self.checkpointer.restore()
+        if path is None:
+            return None
+        self.progress.log("restore", {"epoch": self.position.epoch, "samples_done": self.position.samples_done},
+                          self.position.epoch, self.trainer.num_updates)
+        changed = self.trainer.optimizer_overrides
+        if changed:
+            self._notice("restore | optimizer settings from the command line replace the checkpoint's: " + ", ".join(
+                f"{name} {new} (was {old})" for name, (old, new) in changed.items()))
+        return path
 
     # -- logging -----------------------------------------------------------------------
     def _notice(self, line: str) -> None:
@@ -250,6 +292,24 @@ class TrainingRun:
             metrics = {**metrics, "wall": self.clock.seconds()}
         self.progress.log(phase, metrics, self.position.epoch, self.trainer.num_updates)
         self.tensorboard.log(phase, metrics, self.trainer.num_updates)
+
+    def _summarize(self) -> None:
+        """The end-of-run line: updates, epochs, wall time, best metric and where the checkpoints are."""
+        position, checkpoints = self.position, self.checkpointer
+        epochs = str(position.epoch - 1) if position.samples_done == 0 else \
+            f"{position.epoch - 1 + position.samples_done / len(self.train_data):.2f}"
+        fields = [f"num_updates {self.trainer.num_updates}", f"epochs {epochs}",
+                  f"wall {timedelta(seconds=round(self.clock.seconds()))}"]
+        if checkpoints.best_metric is not None:
+            name = self.args.best_checkpoint_metric
+            fields.append(f"best {name} {format_metric(name, checkpoints.best_metric)} "
+                          f"({checkpoints.config.save_dir / 'checkpoint_best.pt'})")
+        if not checkpoints.config.no_save:
+            fields.append(f"last {checkpoints.config.save_dir / 'checkpoint_last.pt'}")
+        self._notice("done | " + " | ".join(fields))
+        if self.tensorboard.logdir is not None:
+            self._notice(f"TensorBoard logs are in {self.tensorboard.logdir}; "
+                         f"view them with: tensorboard --logdir {self.tensorboard.logdir}")
 
     def _announce(self, model: torch.nn.Module) -> None:
         if not self.context.is_master:

@@ -1,8 +1,9 @@
-"""Small helpers shared by the trainer and the training loop."""
+"""Small helpers shared across hetfair: batches to devices, seeds, state-dict checks, help text."""
 
 from __future__ import annotations
 
-from typing import Any
+import argparse
+from typing import Any, Mapping
 
 import numpy as np
 import torch
@@ -23,3 +24,44 @@ def derived_seed(*parts: int) -> int:
     """A 63-bit seed that depends on every part (e.g. seed, update, micro-batch, rank)."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32).view(np.uint64)[0]
                >> np.uint64(1))
+
+
+def state_dict_mismatch(model_state: Mapping[str, Any], loaded: Mapping[str, Any], shown: int = 3) -> str:
+    """Why ``loaded`` does not fit a model whose ``state_dict()`` is ``model_state``, in one line.
+
+    Counts of missing keys, unexpected keys and keys of another shape, each with
+    its first ``shown`` names (shapes for the last kind); empty when they fit.
+    """
+    missing = [key for key in model_state if key not in loaded]
+    unexpected = [key for key in loaded if key not in model_state]
+    reshaped = [
+        f"{key} ({_shape(loaded[key])} in the checkpoint, {_shape(model_state[key])} in the model)"
+        for key in model_state
+        if key in loaded and _shape(loaded[key]) != _shape(model_state[key])
+    ]
+    parts = []
+    for what, keys in (("missing", missing), ("unexpected", unexpected), ("of another shape", reshaped)):
+        if keys:
+            more = f", ... ({len(keys) - shown} more)" if len(keys) > shown else ""
+            parts.append(f"{len(keys)} key{'s' if len(keys) > 1 else ''} {what}: {', '.join(keys[:shown])}{more}")
+    return "; ".join(parts)
+
+
+def _shape(value: Any) -> str:
+    return "x".join(map(str, value.shape)) if isinstance(value, torch.Tensor) else type(value).__name__
+
+
+class DefaultsHelpFormatter(argparse.HelpFormatter):
+    """``--help`` with each option's default, ``(default: 0.001)``, after its description.
+
+    Left out where there is nothing to show (no default, a flag that is off) and
+    where the description already speaks of its default.
+    """
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = action.help or ""
+        default = action.default
+        if (not action.option_strings or default is None or default is False or default == argparse.SUPPRESS
+                or "default" in text or action.help == argparse.SUPPRESS):
+            return action.help
+        return f"{text} (default: %(default)s)".strip()

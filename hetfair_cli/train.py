@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hetfair.inventory import describe_plugins
+from hetfair.errors import DuplicateComponentError
+from hetfair.inventory import clashes, describe_plugins
 from hetfair.options import parse_train_args
 from hetfair_cli.errors import run_cli
 
@@ -12,12 +13,21 @@ from hetfair_cli.errors import run_cli
 def _main(argv: list[str]) -> int:
     args = parse_train_args(argv)
     if args.list_plugins:
-        print(describe_plugins())
-        return 0
+        return _list_plugins()
     from hetfair.distributed.launch import launch
     from hetfair.training import train
 
     launch(args, train)
+    return 0
+
+
+def _list_plugins() -> int:
+    """Print every component; names defined twice (training would refuse them) make it fail."""
+    print(describe_plugins(), flush=True)
+    found = clashes()
+    if found:
+        raise DuplicateComponentError(f"{len(found)} name{'s are' if len(found) > 1 else ' is'} defined more than "
+                                      f"once ({'; '.join(found)}); uninstall or rename one of each")
     return 0
 
 

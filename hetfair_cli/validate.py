@@ -4,22 +4,34 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
+import sys
 from pathlib import Path
 from typing import Sequence
 
 from hetfair.evaluate import evaluate_checkpoint
+from hetfair.logging.progress import format_metrics
+from hetfair.utils import DefaultsHelpFormatter
 from hetfair_cli.errors import run_cli
+
+DESCRIPTION = """Report a checkpoint's metrics on one or more splits, computed as training validates.
+One line per split on standard output, numbers formatted as in training's progress output
+(or one JSON object per split with --json); notes such as where the data came from go to
+standard error. The task, model and data are those stored in the checkpoint unless overridden."""
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hetfair-validate", description=__doc__, allow_abbrev=False)
-    parser.add_argument("--path", required=True, help="checkpoint file written by hetfair-train")
-    parser.add_argument("--valid-subset", default="valid", help="comma-separated splits to evaluate")
-    parser.add_argument("--data", help="data directory (default: the one used in training)")
-    parser.add_argument("--user-dir", help="plugin package the checkpoint's task comes from (never taken from the checkpoint itself)")
-    parser.add_argument("--max-sentences", "--batch-size", type=int, dest="max_sentences_valid",
-                        help="batch size for evaluation")
-    parser.add_argument("--num-workers", type=int, help="DataLoader worker processes")
+    parser = argparse.ArgumentParser(prog="hetfair-validate", description=DESCRIPTION, allow_abbrev=False,
+                                     formatter_class=DefaultsHelpFormatter)
+    parser.add_argument("--path", required=True, metavar="FILE", help="checkpoint file written by hetfair-train")
+    parser.add_argument("--valid-subset", default="valid", metavar="SPLITS", help="comma-separated splits to evaluate")
+    parser.add_argument("--data", metavar="DIR", help="data directory (default: the one used in training)")
+    parser.add_argument("--user-dir", metavar="DIR",
+                        help="plugin package the checkpoint's task comes from (never taken from the checkpoint)")
+    parser.add_argument("--max-sentences", "--batch-size", type=int, dest="max_sentences_valid", metavar="N",
+                        help="batch size for evaluation (default: the one used in training)")
+    parser.add_argument("--num-workers", type=int, metavar="N",
+                        help="DataLoader worker processes (default: as in training)")
     parser.add_argument("--cpu", action="store_true", default=None, help="evaluate on CPU")
     parser.add_argument("--json", action="store_true", help="print one JSON object per split")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -28,14 +40,15 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)  # e.g. the task's data notes
     overrides = {"data": args.data, "max_sentences_valid": args.max_sentences_valid,
                  "num_workers": args.num_workers, "cpu": args.cpu}
     for subset in args.valid_subset.split(","):
         metrics = evaluate_checkpoint(Path(args.path), subset, overrides, user_dir=args.user_dir)
         if args.json:
-            print(json.dumps({"subset": subset, **metrics}))
+            print(json.dumps({"subset": subset, **metrics}), flush=True)
         else:
-            print(f"{subset} | " + " | ".join(f"{k} {v:.4f}" for k, v in metrics.items()))
+            print(f"{subset} | {format_metrics(metrics)}", flush=True)
     return 0
 
 

@@ -1,4 +1,4 @@
-"""Download the MNIST IDX files into a cache directory, checksum-verified."""
+"""Download IDX files (MNIST, Fashion-MNIST) into a cache directory, checksum-verified."""
 
 from __future__ import annotations
 
@@ -15,50 +15,50 @@ from hetfair.errors import DataError
 
 logger = logging.getLogger(__name__)
 
-MIRRORS = (
-    "https://ossci-datasets.s3.amazonaws.com/mnist/",
-    "https://storage.googleapis.com/cvdf-datasets/mnist/",
-)
-
-# SHA-256 of the files as distributed by LeCun et al. (and mirrored unchanged).
-MNIST_SHA256 = {
-    "train-images-idx3-ubyte.gz": "440fcabf73cc546fa21475e81ea370265605f56be210a4024d2ca8f203523609",
-    "train-labels-idx1-ubyte.gz": "3552534a0a558bbed6aed32b30c495cca23d567ec52cac8be1a0730e8010255c",
-    "t10k-images-idx3-ubyte.gz": "8d422c7b0a1c1c79245a5bcf07fe86e33eeafee792b84584aec276f5a2dbc4e6",
-    "t10k-labels-idx1-ubyte.gz": "f7ae60f92e00ec6debd23a6088c31dbd2371eca3ffa0defaefb259924204aec6",
-}
-
 _CHUNK = 1 << 20
 
 
-def fetch_files(
-    cache_dir: Path,
-    mirrors: Sequence[str] = MIRRORS,
-    checksums: Mapping[str, str] = MNIST_SHA256,
-    timeout: float = 30.0,
-) -> Path:
+def is_cached(cache_dir: Path, checksums: Mapping[str, str]) -> bool:
+    """True when every file of ``checksums`` is in ``cache_dir`` with that SHA-256."""
+    return all((cache_dir / name).is_file() and _sha256(cache_dir / name) == sha256
+               for name, sha256 in checksums.items())
+
+
+def fetch_files(cache_dir: Path, mirrors: Sequence[str], checksums: Mapping[str, str], timeout: float = 30.0) -> Path:
     """Make sure every file of ``checksums`` is in ``cache_dir`` with that SHA-256; return ``cache_dir``.
 
     Files already there with the right checksum are kept. Each download goes to
     a temporary file in ``cache_dir`` and is renamed into place only once its
     checksum matches, so processes sharing the cache never see partial files.
+    Directories created for a download that then fails are removed again.
     """
     cache_dir = Path(cache_dir).expanduser()
-    for name, sha256 in checksums.items():
-        target = cache_dir / name
-        if target.is_file() and _sha256(target) == sha256:
-            continue
-        try:
-            cache_dir.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise DataError(f"cannot create the MNIST cache directory {cache_dir}: {exc.strerror or exc}") from exc
-        failures = _download_from_mirrors(name, sha256, target, mirrors, timeout)
-        if failures:
-            raise DataError(
-                f"could not download {name} into {cache_dir} ({'; '.join(failures)}); without network, "
-                f"pass --data DIR naming a directory that holds the IDX files {', '.join(checksums)}"
-            )
+    created = [parent for parent in (cache_dir, *cache_dir.parents) if not parent.exists()]
+    try:
+        for name, sha256 in checksums.items():
+            target = cache_dir / name
+            if target.is_file() and _sha256(target) == sha256:
+                continue
+            try:
+                cache_dir.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise DataError(f"cannot create the cache directory {cache_dir}: {exc.strerror or exc}") from exc
+            failures = _download_from_mirrors(name, sha256, target, mirrors, timeout)
+            if failures:
+                raise DataError(f"could not download {name} into {cache_dir} ({'; '.join(failures)})")
+    except BaseException:
+        _remove_empty(created)
+        raise
     return cache_dir
+
+
+def _remove_empty(directories: list[Path]) -> None:
+    """Remove those of ``directories`` (deepest first) that are empty; leave the others."""
+    for directory in directories:
+        try:
+            directory.rmdir()
+        except OSError:
+            return  # not empty (another process's download?) or not ours to remove: keep it and its parents
 
 
 def _download_from_mirrors(name: str, sha256: str, target: Path, mirrors: Sequence[str], timeout: float) -> list[str]:
@@ -66,7 +66,7 @@ def _download_from_mirrors(name: str, sha256: str, target: Path, mirrors: Sequen
     failures = []
     for mirror in mirrors:
         url = mirror.rstrip("/") + "/" + name
-        logger.info("downloading %s", url)
+        logger.debug("downloading %s", url)
         try:
             got = _download(url, target, sha256, timeout)
         except (OSError, http.client.HTTPException, ValueError) as exc:

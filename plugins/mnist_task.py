@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -13,16 +14,18 @@ from hetfair.errors import DataError
 from hetfair.tasks import Task
 
 from .mnist_data import ImageClassificationDataset, load_pair
-from .mnist_download import MIRRORS, fetch_files
+from .mnist_sources import DATASETS, locate
 
 SPLITS = ("train", "valid", "test")
+logger = logging.getLogger(__name__)
 
 
 @register_task("mnist")
 class MnistTask(Task):
     """Classify MNIST-style digits or clothes; ``valid`` and ``test`` are the t10k files.
 
-    Without ``--data`` the MNIST files are downloaded into ``--mnist-cache-dir``.
+    Without ``--data``, ``--dataset`` (MNIST or Fashion-MNIST) is looked up in the
+    cache, then in the system copy, then downloaded (see :mod:`.mnist_sources`).
     With ``--valid-size N`` the last N training images become ``valid`` instead.
     """
 
@@ -37,11 +40,16 @@ class MnistTask(Task):
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--mnist-cache-dir", default="~/.cache/hetfair/mnist", metavar="DIR",
-                            help="where MNIST is downloaded to when --data is not given (default: %(default)s)")
+        parser.add_argument("--dataset", choices=sorted(DATASETS), default="mnist",
+                            help="which data set to train on when --data is not given: looked up in the cache, "
+                                 "then the system copy (Debian's dataset-fashion-mnist has Fashion-MNIST), then "
+                                 "downloaded and checked against its SHA-256 (default: %(default)s)")
+        parser.add_argument("--mnist-cache-dir", default="~/.cache/hetfair", metavar="DIR",
+                            help="the cache: data sets are downloaded into DIR/mnist and DIR/fashion-mnist "
+                                 "(default: %(default)s)")
         parser.add_argument("--mnist-mirror", action="append", metavar="URL",
                             help="download from URL (a directory holding the four .gz files; repeatable) "
-                                 f"instead of {', '.join(MIRRORS)}")
+                                 "instead of the data set's own mirrors")
         parser.add_argument("--valid-size", type=int, default=0, metavar="N",
                             help="hold out the last N training images as the 'valid' split "
                                  "(default 0: 'valid' and 'test' are both the t10k files)")
@@ -53,6 +61,7 @@ class MnistTask(Task):
         super().__init__(args)
         self._arrays: dict[str, tuple[np.ndarray, np.ndarray]] = {}
         self._pixel_stats: tuple[float, float] | None = None
+        self._dir: Path | None = None
 
     def load_dataset(self, split: str) -> ImageClassificationDataset:
         if split not in SPLITS:
@@ -79,12 +88,19 @@ class MnistTask(Task):
         return self._arrays[prefix]
 
     def _data_dir(self) -> Path:
+        if self._dir is None:
+            self._dir = self._find_data_dir()
+        return self._dir
+
+    def _find_data_dir(self) -> Path:
         if self.args.data:
             data_dir = Path(self.args.data).expanduser()
             if not data_dir.is_dir():
                 raise DataError(f"--data {self.args.data}: no such directory")
+            logger.info(f"data | MNIST-style files from --data {data_dir}")
             return data_dir
-        return fetch_files(Path(self.args.mnist_cache_dir), self.args.mnist_mirror or MIRRORS)
+        dataset = DATASETS[getattr(self.args, "dataset", "mnist")]  # checkpoints of older runs lack --dataset
+        return locate(dataset, Path(self.args.mnist_cache_dir), self.args.mnist_mirror)
 
     def _normalisation(self) -> tuple[float, float]:
         """``(mean, std)`` in pixel units: of the training images, or ``(0, 255)`` with ``--no-normalize``."""

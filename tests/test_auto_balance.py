@@ -143,11 +143,11 @@ def update_result(samples: list[float], seconds: list[float]) -> UpdateResult:
 def test_balance_efficiency_is_ideal_over_slowest_rank_time():
     stats = IntervalStats(lambda totals: {})
     for _ in range(3):  # equal split on speeds 1:1:2:4: the slowest rank takes 16 s, 8 s would do
-        stats.add(update_result([16, 16, 16, 16], [16.0, 16.0, 8.0, 4.0]))
+        stats.add(update_result([16, 16, 16, 16], [16.0, 16.0, 8.0, 4.0]), seconds=16.5)
     assert stats.metrics()["balance_eff"] == pytest.approx(64 / 8 / 16)
     stats.reset()
-    stats.add(update_result([8, 8, 16, 32], [8.0, 8.0, 8.0, 8.0]))
-    stats.add(update_result([8, 8, 16, 32], [8.0, 8.0, 8.0, 12.0]))  # one slow step on rank 3
+    stats.add(update_result([8, 8, 16, 32], [8.0, 8.0, 8.0, 8.0]), seconds=8.5)
+    stats.add(update_result([8, 8, 16, 32], [8.0, 8.0, 8.0, 12.0]), seconds=12.5)  # one slow step on rank 3
     assert stats.metrics()["balance_eff"] == pytest.approx(128 / (16 / 16 + 16 / 16 + 32 / 16 + 64 / 20) / 20)
 
 

@@ -210,7 +210,7 @@ def test_list_plugins_shows_where_each_name_comes_from(user_dir, capsys):
     assert code == 0
     rows = {tuple(line.split(None, 1)) for line in out.splitlines() if line.startswith("  ")}
     assert ("clitest_task", f"user code ({PACKAGE}.CliTestTask)") in rows
-    assert ("clitest_tiny", f"user code ({PACKAGE}.clitest_tiny)") in rows
+    assert ("clitest_tiny", f"user code ({PACKAGE}.clitest_tiny), model clitest_model") in rows
     assert ("cross_entropy", "built-in (hetfair.criteria.cross_entropy.CrossEntropyCriterion)") in rows
     assert ("adam", "built-in (hetfair.optim.adam.Adam)") in rows
 
@@ -238,8 +238,81 @@ def test_option_defaults_for_unknown_options_are_a_config_error(user_dir):
     class TypoTask(Task):
         option_defaults: ClassVar[dict] = {"arch": "clitest_model", "max_sentnces": 8}
 
-    with pytest.raises(errors.ConfigError, match=f"task '{name}' sets defaults for unknown options: max_sentnces"):
+    with pytest.raises(errors.ConfigError, match=rf"task '{name}' \[user code \({__name__}.*TypoTask\)\] sets "
+                                                 "defaults for unknown options: max_sentnces"):
         parse(user_dir, task=name)
+
+
+@pytest.mark.parametrize(
+    "defaults, problem",
+    [
+        ({"lr": [1e-3]}, "the default of --lr to [0.001], but --lr takes a number, not a list"),
+        ({"max_sentences": 8.5}, "--max-sentences to 8.5, but --max-sentences takes an integer, not a float"),
+        ({"max_sentences": True}, "--max-sentences takes an integer, not a bool"),
+        ({"max_sentences": "many"}, "the default of --max-sentences to 'many', but --max-sentences takes an integer"),
+        ({"cpu": "yes"}, "the default of --cpu to 'yes', but --cpu is a switch: give True or False"),
+        ({"log_format": "fancy"}, "--log-format takes one of: tqdm, simple, json, none"),
+        ({"valid_subset": ["valid"]}, "--valid-subset takes text, not a list"),
+    ],
+)
+def test_option_defaults_of_the_wrong_type_name_the_plugin(user_dir, capsys, defaults, problem):
+    name = f"clitest_typed_task_{uuid.uuid4().hex[:8]}"
+
+    @hetfair.register_task(name)
+    class WronglyTypedTask(Task):
+        option_defaults: ClassVar[dict] = {"arch": "clitest_model", **defaults}
+
+    code, _, err = run_main(capsys, "--user-dir", user_dir, "--task", name, "--no-save")
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith(f"hetfair-train: error: task '{name}' "
+                          f"[user code ({__name__}.{WronglyTypedTask.__qualname__})] sets the default of ")
+    assert problem in err
+
+
+def test_option_defaults_of_convertible_or_compatible_types_are_accepted(user_dir):
+    name = f"clitest_loose_task_{uuid.uuid4().hex[:8]}"
+
+    @hetfair.register_task(name)
+    class LooseTask(Task):
+        option_defaults: ClassVar[dict] = {"arch": "clitest_model", "lr": 1, "max_sentences": "8", "cpu": True}
+
+    args = parse(user_dir, task=name)
+    assert (args.lr, args.max_sentences, args.cpu) == (1, 8, True)
+
+
+def test_architecture_defaults_of_the_wrong_type_name_the_architecture(user_dir, capsys):
+    arch = f"clitest_bad_arch_{uuid.uuid4().hex[:8]}"
+
+    @hetfair.register_model_architecture("clitest_model", arch)
+    def bad_arch() -> dict:
+        return {"clitest_hidden": "wide"}
+
+    code, _, err = run_main(capsys, "--user-dir", user_dir, "--task", "clitest_task", "--arch", arch)
+    assert code == 2
+    assert f"architecture '{arch}' [user code ({__name__}." in err
+    assert "sets the default of --clitest-hidden to 'wide', but --clitest-hidden takes an integer" in err
+
+
+def test_help_shows_the_defaults_in_force(user_dir, capsys):
+    with pytest.raises(SystemExit):
+        main(["--user-dir", user_dir, "--task", "clitest_task", "--help"])
+    out = " ".join(capsys.readouterr().out.split())  # undo line wrapping
+    assert "--lr LR peak learning rate (default: 0.25)" in out  # the task's default, not the core one
+    assert "--clitest-hidden CLITEST_HIDDEN model flag (default: 4)" in out  # the architecture's
+    assert "--max-epoch N stop after N epochs (0: no limit) (default: 0)" in out
+    assert "--cpu train on CPU even when a GPU is present --log-interval" in out  # a switch: no default shown
+    assert "(default: None)" not in out
+
+
+def test_validate_help_is_plain_text_with_defaults(capsys):
+    from hetfair_cli.validate import main as validate_main
+
+    with pytest.raises(SystemExit) as caught:
+        validate_main(["--help"])
+    assert caught.value.code == 0
+    out = capsys.readouterr().out
+    assert "``" not in out and ":class:" not in out
+    assert "(default: valid)" in " ".join(out.split())
 
 
 def test_plain_config_holds_only_plain_data(user_dir):

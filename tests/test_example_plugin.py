@@ -26,6 +26,8 @@ PACKAGE_DIR = Path(__file__).resolve().parents[1] / "plugins" / "hetfair_plugin_
 ENTRY_POINTS = {
     ("hetfair.tasks", "example_regression"),
     ("hetfair.models", "example_mlp"),
+    ("hetfair.archs", "example_mlp_tiny"),
+    ("hetfair.archs", "example_linear"),
     ("hetfair.criteria", "mse"),
 }
 

@@ -8,10 +8,13 @@ Everything here is fast and offline, except
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gzip
 import hashlib
 import json
 import importlib
+import logging
+import os
 import struct
 import time
 from pathlib import Path
@@ -34,6 +37,7 @@ import_user_dir(PLUGIN_DIR)
 idx = importlib.import_module("plugins.idx")
 mnist_data = importlib.import_module("plugins.mnist_data")
 mnist_download = importlib.import_module("plugins.mnist_download")
+mnist_sources = importlib.import_module("plugins.mnist_sources")
 MnistTask = importlib.import_module("plugins.mnist_task").MnistTask
 
 needs_fashion_mnist = pytest.mark.skipif(
@@ -258,6 +262,7 @@ def test_unknown_split_is_a_data_error(tmp_path: Path) -> None:
 
 def test_task_defaults_and_architectures_reach_the_options() -> None:
     args = mnist_args()
+    assert args.dataset == "mnist"
     assert (args.criterion, args.arch, args.model, args.optimizer) == ("cross_entropy", "mnist_cnn", "mnist_cnn",
                                                                         "adam")
     assert (args.max_sentences, args.lr, args.max_epoch) == (64, 1e-3, 1)
@@ -271,7 +276,7 @@ def test_help_shows_the_task_and_model_flags(capsys: pytest.CaptureFixture[str])
         train_main(["--user-dir", str(PLUGIN_DIR), "--task", "mnist", "--help"])
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
-    for flag in ("--mnist-cache-dir", "--mnist-mirror", "--valid-size", "--no-normalize",
+    for flag in ("--dataset", "--mnist-cache-dir", "--mnist-mirror", "--valid-size", "--no-normalize",
                  "--conv1-channels", "--conv2-channels", "--fc-dim", "--dropout"):
         assert flag in help_text
     assert "'valid' and 'test' are both the t10k" in help_text
@@ -330,7 +335,7 @@ def test_download_with_wrong_checksum_keeps_nothing(tmp_path: Path) -> None:
     cache = tmp_path / "cache"
     with pytest.raises(DataError) as exc_info:
         mnist_download.fetch_files(cache, [mirror], checksums)
-    assert_one_line_naming(exc_info, "could not download b-idx1-ubyte.gz", "checksum mismatch", "--data DIR")
+    assert_one_line_naming(exc_info, "could not download b-idx1-ubyte.gz", "checksum mismatch")
     assert sorted(p.name for p in cache.iterdir()) == ["a-idx1-ubyte.gz"]  # no partial or temp file
 
 
@@ -350,13 +355,115 @@ def test_corrupt_cached_file_is_downloaded_again(tmp_path: Path) -> None:
     assert (cache / "a-idx1-ubyte.gz").read_bytes() == FILES["a-idx1-ubyte.gz"]
 
 
-def test_without_data_and_network_the_task_says_to_pass_data(tmp_path: Path) -> None:
-    args = mnist_args("--mnist-cache-dir", str(tmp_path / "cache"), "--mnist-mirror", UNREACHABLE)
-    task = MnistTask.setup_task(args)
+def test_a_failed_download_leaves_no_empty_directories(tmp_path: Path) -> None:
+    with pytest.raises(DataError):
+        mnist_download.fetch_files(tmp_path / "cache" / "hetfair" / "mnist", [UNREACHABLE], {"a.gz": "0" * 64})
+    assert list(tmp_path.iterdir()) == []
+
+
+# -- where the data comes from: cache, system copy, download ---------------------------
+
+
+def mnist_files(seed: int) -> dict[str, bytes]:
+    """The four files of a small MNIST-style data set, gzipped as the mirrors serve them."""
+    rng = np.random.default_rng(seed)
+    files = {}
+    for prefix, n in (("train", 12), ("t10k", 5)):
+        files[f"{prefix}-images-idx3-ubyte.gz"] = gzip.compress(
+            idx_bytes(rng.integers(0, 256, (n, 28, 28), dtype=np.uint8)), mtime=0)
+        files[f"{prefix}-labels-idx1-ubyte.gz"] = gzip.compress(idx_bytes(rng.integers(0, 10, n, dtype=np.uint8)),
+                                                               mtime=0)
+    return files
+
+
+def fake_dataset(tmp_path: Path, files: dict[str, bytes], with_system_copy: bool) -> tuple:
+    """An ImageDataset served by a file:// mirror, with (or without) a system copy; and its cache root."""
+    mirror, checksums = make_mirror(tmp_path / "mirror", files)
+    system_dir = tmp_path / "usr-share" / "fake-mnist"
+    if with_system_copy:
+        system_dir.mkdir(parents=True)
+        for name, content in files.items():
+            (system_dir / name).write_bytes(content)
+    dataset = mnist_sources.ImageDataset("fake-mnist", "Fake-MNIST", (mirror,), checksums, system_dir,
+                                         "dataset-fake-mnist")
+    return dataset, tmp_path / "cache"
+
+
+def test_the_cache_comes_first(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    dataset, cache_root = fake_dataset(tmp_path, mnist_files(0), with_system_copy=True)
+    mnist_download.fetch_files(cache_root / "fake-mnist", dataset.mirrors, dataset.sha256)
+    with caplog.at_level(logging.INFO):
+        assert mnist_sources.locate(dataset, cache_root, [UNREACHABLE]) == cache_root / "fake-mnist"
+    assert caplog.messages == [f"data | Fake-MNIST from the cache {cache_root / 'fake-mnist'}"]
+
+
+def test_then_the_system_copy(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    dataset, cache_root = fake_dataset(tmp_path, mnist_files(0), with_system_copy=True)
+    with caplog.at_level(logging.INFO):
+        assert mnist_sources.locate(dataset, cache_root, [UNREACHABLE]) == dataset.system_dir
+    assert caplog.messages == [f"data | Fake-MNIST from the system copy {dataset.system_dir} "
+                               f"(Debian package dataset-fake-mnist)"]
+    assert not cache_root.exists()
+
+
+def test_then_a_checksummed_download(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    files = mnist_files(0)
+    dataset, cache_root = fake_dataset(tmp_path, files, with_system_copy=False)
+    with caplog.at_level(logging.INFO):
+        data_dir = mnist_sources.locate(dataset, cache_root)
+    assert data_dir == cache_root / "fake-mnist"
+    assert {name: (data_dir / name).read_bytes() for name in files} == files
+    assert caplog.messages == [
+        f"data | Fake-MNIST is in neither the cache nor a system copy: downloading it into {data_dir}",
+        f"data | Fake-MNIST downloaded into {data_dir} (SHA-256 verified)"]
+
+
+def test_when_nothing_works_one_error_gives_every_reason_and_the_fix(tmp_path: Path) -> None:
+    dataset, cache_root = fake_dataset(tmp_path, mnist_files(0), with_system_copy=False)
     with pytest.raises(DataError) as exc_info:
-        task.dataset("train")
-    assert_one_line_naming(exc_info, "could not download train-images-idx3-ubyte.gz",
-                           UNREACHABLE + "train-images-idx3-ubyte.gz", "pass --data DIR")
+        mnist_sources.locate(dataset, cache_root, [UNREACHABLE])
+    sudo = "" if os.geteuid() == 0 else "sudo "
+    assert_one_line_naming(
+        exc_info, f"no Fake-MNIST data: (1) the cache {cache_root / 'fake-mnist'} does not exist",
+        f"(2) there is no system copy in {dataset.system_dir} (Debian package dataset-fake-mnist)",
+        f"(3) the download failed: could not download train-images-idx3-ubyte.gz into {cache_root / 'fake-mnist'} "
+        f"({UNREACHABLE}train-images-idx3-ubyte.gz: ",
+        f"To fix it, run `{sudo}apt-get install dataset-fashion-mnist` and train with --dataset fashion-mnist")
+    assert not cache_root.exists(), "no empty cache directory is left behind"
+
+
+def test_offline_mnist_default_is_one_error_line_with_the_fix(tmp_path: Path, capsys) -> None:
+    cache = tmp_path / "cache"
+    code = train_main(["--user-dir", str(PLUGIN_DIR), "--task", "mnist", "--mnist-cache-dir", str(cache),
+                       "--mnist-mirror", UNREACHABLE, "--save-dir", str(tmp_path / "checkpoints")])
+    notice, error = capsys.readouterr().err.splitlines()
+    assert code == 2
+    assert notice == f"data | MNIST is in neither the cache nor a system copy: downloading it into {cache / 'mnist'}"
+    assert error.startswith(f"hetfair-train: error: no MNIST data: (1) the cache {cache / 'mnist'} does not exist; "
+                            f"(2) no system package provides MNIST; (3) the download failed")
+    assert "apt-get install dataset-fashion-mnist` and train with --dataset fashion-mnist" in error
+    assert not cache.exists()
+
+
+def test_fashion_mnist_needs_only_its_package_to_be_fixed(tmp_path: Path, monkeypatch) -> None:
+    dataset = dataclasses.replace(mnist_sources.FASHION_MNIST, system_dir=tmp_path / "not-installed")
+    monkeypatch.setattr(mnist_sources, "OFFLINE_DATASET", dataset)
+    with pytest.raises(DataError) as exc_info:
+        mnist_sources.locate(dataset, tmp_path / "cache", [UNREACHABLE])
+    sudo = "" if os.geteuid() == 0 else "sudo "
+    assert str(exc_info.value).endswith(f"To fix it, run `{sudo}apt-get install dataset-fashion-mnist` "
+                                        f"(or pass --data DIR naming a directory with the four IDX files)")
+
+
+@needs_fashion_mnist
+def test_dataset_fashion_mnist_uses_the_debian_copy_offline(tmp_path: Path, caplog) -> None:
+    args = mnist_args("--dataset", "fashion-mnist", "--mnist-cache-dir", str(tmp_path / "cache"),
+                      "--mnist-mirror", UNREACHABLE)
+    with caplog.at_level(logging.INFO):
+        assert len(MnistTask.setup_task(args).dataset("test")) == 10000
+    assert caplog.messages == [f"data | Fashion-MNIST from the system copy {FASHION_MNIST} "
+                               f"(Debian package dataset-fashion-mnist)"]
+    assert not (tmp_path / "cache").exists()
 
 
 # -- accuracy: the hetfair trainer end to end -----------------------------------------

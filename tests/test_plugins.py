@@ -362,6 +362,7 @@ def installed_plugins(tmp_path: Path) -> tuple[Path, dict[str, str]]:
     write_distribution(site, "hetfair-test-good",
                        {"hetfair.tasks": {"cli_ep_task": "cli_ep_plugin"},
                         "hetfair.models": {"cli_ep_model": "cli_ep_plugin"},
+                        "hetfair.archs": {"cli_ep_arch": "cli_ep_plugin:cli_ep_arch"},
                         "hetfair.criteria": {"cli_ep_crit": "cli_ep_criterion:PlainCriterion"}},
                        {"cli_ep_plugin": GOOD_PLUGIN, "cli_ep_criterion": PLAIN_CRITERION})
     write_distribution(site, "hetfair-test-broken",
@@ -380,7 +381,8 @@ def test_list_plugins_shows_distributions_without_importing_them(installed_plugi
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     expected = {"cli_ep_task": "hetfair-test-good", "cli_ep_model": "hetfair-test-good",
-                "cli_ep_crit": "hetfair-test-good", "cli_broken_task": "hetfair-test-broken"}
+                "cli_ep_arch": "hetfair-test-good", "cli_ep_crit": "hetfair-test-good",
+                "cli_broken_task": "hetfair-test-broken"}
     for name, dist in expected.items():
         assert any(line.split()[:2] == [name, "distribution"] and f"'{dist}'" in line for line in lines), name
     assert imported_modules(env) == set()
@@ -402,3 +404,62 @@ def test_chosen_plugins_load_and_others_stay_unimported(installed_plugins, tmp_p
     for flag in ("--cli-ep-task-flag", "--cli-ep-model-flag", "--cli-ep-crit-flag"):
         assert flag in result.stdout
     assert imported_modules(env) == {"cli_ep_plugin", "cli_ep_criterion"}
+
+
+def test_list_plugins_names_the_model_of_imported_architectures(user_dir, capsys):
+    package, task = user_dir
+    arch_code = f"""
+        import hetfair
+
+        @hetfair.register_model_architecture("{task}_model", "{task}_small")
+        def small():
+            return {{}}
+    """
+    (package / "archs.py").write_text(textwrap.dedent(arch_code))
+    (package / "__init__.py").write_text((package / "__init__.py").read_text() + "\nfrom . import archs\n")
+    assert main(["--user-dir", str(package), "--list-plugins"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if line.split()[:1] == [f"{task}_small"])
+    assert line.endswith(f"user code ({package.name}.archs.small), model {task}_model")
+
+
+def test_list_plugins_shows_a_clash_between_distributions_and_fails(tmp_path):
+    site = tmp_path / "site"
+    for dist in ("hetfair-test-first", "hetfair-test-second"):
+        module = dist.replace("-", "_")
+        write_distribution(site, dist, {"hetfair.criteria": {"cli_shared_crit": f"{module}:Criterion"}},
+                           {module: "raise RuntimeError('imported while listing')"})
+    result = run_train("--list-plugins", pythonpath=site, cwd=tmp_path)
+    assert result.returncode == 2, result.stderr
+    rows = [line for line in result.stdout.splitlines() if line.split()[:1] == ["cli_shared_crit"]]
+    assert len(rows) == 2 and all(row.endswith("<- clash") for row in rows)
+    assert "'hetfair-test-first'" in rows[0] and "'hetfair-test-second'" in rows[1]
+    line = assert_one_error_line(result)
+    assert "1 name is defined more than once (criterion 'cli_shared_crit': distribution 'hetfair-test-first'" in line
+    assert "and distribution 'hetfair-test-second'" in line
+    assert "Traceback" not in result.stderr
+
+
+def test_list_plugins_shows_a_clash_between_a_distribution_and_a_user_dir(tmp_path):
+    site = tmp_path / "site"
+    write_distribution(site, "hetfair-test-taken", {"hetfair.tasks": {"cli_taken_task": "cli_taken:Task"}},
+                       {"cli_taken": "raise RuntimeError('imported while listing')"})
+    package = write_package(tmp_path, f"user_plugins_{suffix()}", USER_TASK.format(task="cli_taken_task"))
+    result = run_train("--user-dir", str(package), "--list-plugins", pythonpath=site, cwd=tmp_path)
+    assert result.returncode == 2
+    rows = [line for line in result.stdout.splitlines() if line.split()[:1] == ["cli_taken_task"]]
+    assert [row.split()[1] for row in rows] == ["distribution", "user"]
+    assert "task 'cli_taken_task': distribution 'hetfair-test-taken'" in assert_one_error_line(result)
+
+
+def test_piping_the_listing_into_a_closed_pipe_ends_quietly(tmp_path):
+    script = Path(sys.executable).with_name("hetfair-train")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "hetfair_cli.train"]
+    reader, writer = os.pipe()
+    os.close(reader)  # like `| true`: nobody will read what it prints
+    try:
+        result = subprocess.run(command + ["--list-plugins"], stdout=writer, stderr=subprocess.PIPE, text=True,
+                                cwd=tmp_path, timeout=120, check=False)
+    finally:
+        os.close(writer)
+    assert result.stderr == ""
+    assert result.returncode == 141  # as if killed by SIGPIPE

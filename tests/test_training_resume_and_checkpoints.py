@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import time
@@ -12,7 +13,8 @@ import torch
 
 from helpers import TOY_PLUGIN, final_parameters, subprocess_env, train_command
 from hetfair.checkpoint import atomic_save, load_checkpoint
-from hetfair.errors import CheckpointError
+from hetfair.errors import CheckpointError, first_line
+from hetfair.utils import state_dict_mismatch
 from hetfair_cli.train import main as train_main
 
 
@@ -131,12 +133,98 @@ def test_corrupt_checkpoint_is_one_clear_error(tmp_path):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def test_incompatible_checkpoint_is_one_clear_error(tmp_path):
+def test_incompatible_checkpoint_says_which_checkpoint_which_keys_and_how_to_start_afresh(tmp_path):
     save_dir = tmp_path / "ckpt"
     assert train_main(toy_args(save_dir, "--max-update", "2")) == 0
     result = run(toy_args(save_dir, "--max-update", "4", "--arch", "toy_mlp_wide"))
-    assert result.returncode == 2
-    assert "does not fit this model" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1
+    line = lines[0]
+    assert f"cannot resume from {save_dir / 'checkpoint_last.pt'} (resumed automatically" in line
+    assert "it does not fit model ToyMLP: 3 keys of another shape: net.0.weight (16x8 in the checkpoint, 64x8 in the " \
+           "model), net.0.bias (16 in the checkpoint, 64 in the model), net.2.weight (3x16" in line
+    assert "written with --arch toy_mlp, this run has --arch toy_mlp_wide" in line
+    assert line.endswith(f"to start afresh, pass another --save-dir (or move {save_dir / 'checkpoint_last.pt'} away)")
+
+
+def test_state_dict_mismatch_counts_and_names_the_first_keys():
+    model = {f"layer{i}.weight": torch.zeros(2, 2) for i in range(5)}
+    loaded = {"layer0.weight": torch.zeros(3, 2), "extra": torch.zeros(1)}
+    assert state_dict_mismatch(model, loaded, shown=2) == (
+        "4 keys missing: layer1.weight, layer2.weight, ... (2 more); 1 key unexpected: extra; "
+        "1 key of another shape: layer0.weight (3x2 in the checkpoint, 2x2 in the model)")
+    assert state_dict_mismatch(model, dict(model)) == ""
+
+
+def test_first_line_keeps_the_details_a_heading_announces():
+    error = RuntimeError('Error(s) in loading state_dict for Net:\n\tMissing key(s) in state_dict: "bias". \n\t'
+                         'Unexpected key(s) in state_dict: "extra". ')
+    assert first_line(error) == ('Error(s) in loading state_dict for Net: Missing key(s) in state_dict: "bias".; '
+                                 'Unexpected key(s) in state_dict: "extra".')
+    assert first_line(RuntimeError("one line\nand more")) == "one line"
+    assert first_line(RuntimeError("\x1b[1mbold\x1b[0m")) == "bold"
+    assert first_line(ValueError("")) == "ValueError"
+    assert first_line(RuntimeError("x" * 500), limit=20) == "x" * 17 + "..."
+
+
+class NotPlainData:
+    """Stands for an object a checkpoint must not hold."""
+
+
+def test_checkpoint_holding_python_objects_names_them(tmp_path):
+    path = tmp_path / "checkpoint_last.pt"
+    torch.save({"format_version": 2, "trainer": {"model": NotPlainData()}}, path)
+    with pytest.raises(CheckpointError) as caught:
+        load_checkpoint(path)
+    message = str(caught.value)
+    assert "\n" not in message
+    assert f"Unsupported global: GLOBAL {__name__}.NotPlainData" in message
+    assert "weights_only=True" in message
+
+
+def test_finished_job_run_again_says_there_is_nothing_to_do(tmp_path, capsys):
+    save_dir = tmp_path / "ckpt"
+    assert train_main(toy_args(save_dir, "--max-epoch", "2")) == 0
+    assert train_main(toy_args(save_dir, "--max-epoch", "2", "--log-format", "simple")) == 0
+    err = capsys.readouterr().err
+    assert (f"nothing to do: --max-epoch 2 reached ({save_dir / 'checkpoint_last.pt'} has 26 updates); "
+            f"raise --max-epoch to train further") in err.splitlines()
+    assert train_main(toy_args(save_dir, "--max-update", "20", "--log-format", "simple")) == 0
+    assert "nothing to do: --max-update 20 reached" in capsys.readouterr().err
+
+
+def test_a_run_ends_with_one_summary_line(tmp_path, capsys):
+    save_dir, logdir = tmp_path / "ckpt", tmp_path / "tb"
+    assert train_main(toy_args(save_dir, "--max-epoch", "2", "--log-format", "simple",
+                               "--tensorboard-logdir", str(logdir))) == 0
+    lines = capsys.readouterr().err.splitlines()
+    best = load_checkpoint(save_dir / "checkpoint_best.pt")["best_metric"]
+    best_file, last_file = (re.escape(str(save_dir / name)) for name in ("checkpoint_best.pt", "checkpoint_last.pt"))
+    assert re.fullmatch(rf"done \| num_updates 26 \| epochs 2 \| wall 0:\d\d:\d\d \| best loss {best:.3f} "
+                        rf"\({best_file}\) \| last {last_file}", lines[-2]), lines[-2]
+    assert lines[-1] == f"TensorBoard logs are in {logdir}; view them with: tensorboard --logdir {logdir}"
+
+
+def test_resume_applies_the_optimizer_settings_of_the_command_line(tmp_path, capsys):
+    save_dir = tmp_path / "ckpt"
+    assert train_main(toy_args(save_dir, "--max-update", "5", "--weight-decay", "0.0")) == 0
+    assert train_main(toy_args(save_dir, "--max-update", "8", "--momentum", "0.5", "--nesterov",
+                               "--weight-decay", "0.01", "--log-format", "simple")) == 0
+    notice = [line for line in capsys.readouterr().err.splitlines() if "optimizer settings" in line]
+    assert notice == ["restore | optimizer settings from the command line replace the checkpoint's: "
+                      "momentum 0.5 (was 0.9), weight_decay 0.01 (was 0.0), nesterov True (was False)"]
+    state = load_checkpoint(save_dir / "checkpoint_last.pt")
+    group = state["trainer"]["optimizer"]["param_groups"][0]
+    assert (group["momentum"], group["weight_decay"], group["nesterov"]) == (0.5, 0.01, True)
+    assert (state["config"]["momentum"], state["config"]["weight_decay"]) == (0.5, 0.01)
+
+
+def test_resume_with_the_same_optimizer_settings_says_nothing_about_them(tmp_path, capsys):
+    save_dir = tmp_path / "ckpt"
+    assert train_main(toy_args(save_dir, "--max-update", "5")) == 0
+    assert train_main(toy_args(save_dir, "--max-update", "8", "--log-format", "simple")) == 0
+    assert "optimizer settings" not in capsys.readouterr().err
 
 
 def test_missing_restore_file_is_one_clear_error(tmp_path, capsys):

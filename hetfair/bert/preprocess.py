@@ -35,6 +35,7 @@ from hetfair.bert.tokenizer import (
     train_tokenizer,
 )
 from hetfair.errors import ConfigError, DataError
+from hetfair.utils import DefaultsHelpFormatter
 
 _LINES_PER_CHUNK = 2000
 T = TypeVar("T")
@@ -46,6 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Tokenize raw text (one sentence per line, blank line between documents; .gz accepted) "
                     "into memory-mapped binary splits for the bert task.",
         allow_abbrev=False,
+        formatter_class=DefaultsHelpFormatter,
     )
     for split, flag in SPLIT_FLAGS.items():
         parser.add_argument(f"--{flag}", metavar="FILE", help=f"raw text of the {split} split")

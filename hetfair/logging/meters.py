@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from hetfair.distributed.stats import UpdateResult, sum_logs
 
@@ -22,6 +22,10 @@ class IntervalStats:
     divided by the compute time it took, ``sum_u max_r t_{r,u}`` (each update waits
     for its slowest rank). 1 is perfect balance; an equal split on ranks of speeds
     1:1:2:4 gives 0.5.
+
+    The seconds behind ``ups`` and ``wps`` are the updates' own (data loading
+    included), as the loop passes them to :meth:`add`: validation and checkpoint
+    writing between updates do not count.
     """
 
     def __init__(self, reduce_metrics: ReduceMetrics) -> None:
@@ -37,9 +41,11 @@ class IntervalStats:
         self.gnorm_sum = 0.0
         self.clipped = 0
         self.lr = 0.0
-        self.started = time.perf_counter()
+        self.seconds = 0.0
 
-    def add(self, result: UpdateResult) -> None:
+    def add(self, result: UpdateResult, seconds: float) -> None:
+        """Count one update that took ``seconds`` of wall time."""
+        self.seconds += seconds
         sum_logs(self.totals, result.totals)
         self.samples = _add(self.samples, result.samples)
         self.compute_seconds = _add(self.compute_seconds, result.compute_seconds)
@@ -53,7 +59,7 @@ class IntervalStats:
         """The metrics of the interval so far (empty when no update happened)."""
         if self.updates == 0:
             return {}
-        elapsed = max(time.perf_counter() - self.started, 1e-9)
+        elapsed = max(self.seconds, 1e-9)
         metrics = dict(self.reduce_metrics(self.totals))
         metrics.update(
             lr=self.lr,
@@ -74,10 +80,11 @@ class IntervalStats:
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
-        """Plain-data snapshot for checkpoints (timing restarts on load)."""
+        """Plain-data snapshot for checkpoints."""
         return {"totals": dict(self.totals), "samples": list(self.samples),
-                "compute_seconds": list(self.compute_seconds), "slowest_seconds": self.slowest_seconds, "updates": self.updates, "gnorm_sum": self.gnorm_sum,
-                "clipped": self.clipped, "lr": self.lr}
+                "compute_seconds": list(self.compute_seconds), "slowest_seconds": self.slowest_seconds,
+                "updates": self.updates, "gnorm_sum": self.gnorm_sum, "clipped": self.clipped, "lr": self.lr,
+                "seconds": self.seconds}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset()
@@ -89,6 +96,24 @@ class IntervalStats:
         self.gnorm_sum = state["gnorm_sum"]
         self.clipped = state["clipped"]
         self.lr = state["lr"]
+        self.seconds = float(state.get("seconds", 0.0))  # older checkpoints lack it
+
+
+class Stopwatch:
+    """Lap times: :meth:`lap` returns the seconds since the last lap or :meth:`restart`."""
+
+    def __init__(self, clock: Optional[Callable[[], float]] = None) -> None:
+        self._clock = clock or time.perf_counter
+        self._last = self._clock()
+
+    def restart(self) -> None:
+        """Start the next lap now (time since the last lap is not counted)."""
+        self._last = self._clock()
+
+    def lap(self) -> float:
+        now = self._clock()
+        seconds, self._last = now - self._last, now
+        return seconds
 
 
 def _add(running: list[float], values: list[float]) -> list[float]:

@@ -1,18 +1,59 @@
-"""Progress output on the master rank: tqdm bar, plain lines, JSON lines or nothing."""
+"""Progress output on the master rank: tqdm bar, plain lines, JSON lines or nothing.
+
+Numbers follow one convention everywhere hetfair prints them (training progress and
+``hetfair-validate``), fairseq's: every metric is rounded to a fixed number of
+decimals of its own (:data:`DECIMALS`, 3 for metrics not listed), counts print as
+integers and the learning rate with 4 significant digits. So a loss reads ``1.000``,
+never ``1``, and the same metric has the same width in every line.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
+import re
 import sys
-from typing import Optional, TextIO
+from contextlib import contextmanager
+from typing import Iterator, Mapping, Optional, TextIO
 
 from tqdm import tqdm
 
+DECIMALS: dict[str, int] = {
+    "ppl": 2,
+    "accuracy": 2,
+    "clip": 1,
+    "ups": 2,
+    "wps": 1,
+    "bsz": 1,
+    "share": 1,
+    "sps": 1,
+    "wall": 0,
+}
+"""Decimals per metric (a trailing rank number is ignored: ``share3`` is ``share``); others get 3."""
 
-def _format_value(value: float) -> str:
-    if isinstance(value, int) or float(value).is_integer() and abs(value) < 1e9:
+BAR_POSTFIX = ("loss",)
+"""The metrics the tqdm bar shows beside itself; the full ``train_inner`` lines print above it."""
+
+
+def _decimals(name: str) -> int:
+    base = re.sub(r"\d+$", "", name)
+    if base in DECIMALS:
+        return DECIMALS[base]
+    return DECIMALS["accuracy"] if base.endswith("accuracy") else 3
+
+
+def format_metric(name: str, value: float) -> str:
+    """``value`` of metric ``name`` as hetfair prints it (see the module docstring)."""
+    if isinstance(value, bool) or isinstance(value, int):
         return str(int(value))
-    return f"{value:.4g}" if abs(value) < 1e-2 else f"{value:.3f}"
+    if name == "lr":
+        return f"{value:.4g}"
+    return f"{value:.{_decimals(name)}f}"
+
+
+def format_metrics(metrics: Mapping[str, float]) -> str:
+    """``name value | name value ...`` in the common number format."""
+    return " | ".join(f"{name} {format_metric(name, value)}" for name, value in metrics.items())
 
 
 class Progress:
@@ -46,19 +87,56 @@ class Progress:
         if self.format == "json":
             record = {"phase": phase, "epoch": epoch, "num_updates": num_updates, **metrics}
             self._write(json.dumps(record, sort_keys=False))
-        elif self.format == "tqdm" and self._bar is not None and phase == "train_inner":
-            self._bar.set_postfix({k: _format_value(v) for k, v in metrics.items()}, refresh=True)
-        else:
-            fields = " | ".join(f"{k} {_format_value(v)}" for k, v in metrics.items())
-            self._write(f"{phase} | epoch {epoch:03d} | num_updates {num_updates} | {fields}")
+            return
+        if self._bar is not None and phase == "train_inner":
+            self._bar.set_postfix({k: format_metric(k, metrics[k]) for k in BAR_POSTFIX if k in metrics},
+                                  refresh=False)
+        self._write(f"{phase} | epoch {epoch:03d} | num_updates {num_updates} | {format_metrics(metrics)}")
 
     def info(self, line: str) -> None:
-        """A free-form line (start-up summary), unless output is off."""
+        """A free-form line (start-up summary, notices), unless output is off."""
         if self.format != "none":
             self._write(line)
+
+    @contextmanager
+    def showing_log_records(self, level: int = logging.INFO) -> Iterator[None]:
+        """Show Python ``logging`` records of ``level`` and above as lines of this output, meanwhile.
+
+        Plugins say things (e.g. which data they use) with ``logging.getLogger(__name__).info``;
+        this prints them on the master without breaking the tqdm bar. Other processes keep
+        Python's default: warnings and errors only.
+        """
+        if self.format == "none":
+            yield
+            return
+        root = logging.getLogger()
+        handler = _ProgressHandler(self)
+        old_level = root.level
+        root.addHandler(handler)
+        if root.getEffectiveLevel() > level:
+            root.setLevel(level)
+        try:
+            yield
+        finally:
+            root.removeHandler(handler)
+            root.setLevel(old_level)
 
     def _write(self, line: str) -> None:
         if self._bar is not None:
             self._bar.write(line, file=self.stream)
         else:
             print(line, file=self.stream, flush=True)
+
+
+class _ProgressHandler(logging.Handler):
+    """Hands log records to a :class:`Progress` as plain lines."""
+
+    def __init__(self, progress: Progress) -> None:
+        super().__init__()
+        self.progress = progress
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.progress.info(self.format(record))
+        except Exception:  # noqa: BLE001 - logging must never break training
+            self.handleError(record)

@@ -39,6 +39,11 @@ def register_model_architecture(model_name: str, arch_name: str) -> Callable[[Ar
     return decorator
 
 
+def arch_model(arch: str) -> str | None:
+    """The model of a registered architecture (``None`` while its plugin is not imported)."""
+    return _ARCH_MODEL.get(arch)
+
+
 def arch_names() -> list[str]:
     """Architecture names plus every model name (a model is its own default arch)."""
     return sorted(set(ARCH_REGISTRY.names()) | set(MODEL_REGISTRY.names()))
@@ -81,6 +86,7 @@ __all__ = [
     "ARCH_REGISTRY",
     "register_model",
     "register_model_architecture",
+    "arch_model",
     "arch_names",
     "resolve_arch",
 ]

@@ -1,0 +1,60 @@
+# The two commands of hetfair's README:
+#   make demo   set everything up, then train the MNIST example on Fashion-MNIST end to end
+#   make test   set everything up, then run the test suite (what .ci/run does)
+# "Everything" is a virtual environment in $(VENV) with torch (a CPU build unless an NVIDIA GPU
+# is present), hetfair and the example plugin, plus the Debian data packages. Each step is
+# skipped when it is done already, so running either again is fast.
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_VERSION ?= 2.13.0
+DEMO_SAVE_DIR ?= checkpoints/demo
+DEMO_LOGDIR ?= runs/demo
+PYTEST_ARGS ?= -q
+
+BIN := $(VENV)/bin
+STAMPS := $(VENV)/.hetfair-setup
+DEMO_PACKAGES := dataset-fashion-mnist
+TEST_PACKAGES := dataset-fashion-mnist jargon-text
+
+.PHONY: help demo test setup demo-data test-data clean-demo
+
+help:
+	@echo "make demo    set up (venv, torch, hetfair, Fashion-MNIST) and train the MNIST example"
+	@echo "make test    set up (venv, torch, hetfair, test data) and run the test suite"
+	@echo "make setup   only set up the environment in $(VENV)"
+
+demo: setup demo-data
+	$(BIN)/hetfair-train --user-dir plugins --task mnist --dataset fashion-mnist --max-epoch 1 \
+	    --save-dir $(DEMO_SAVE_DIR) --tensorboard-logdir $(DEMO_LOGDIR)
+	$(BIN)/hetfair-validate --path $(DEMO_SAVE_DIR)/checkpoint_best.pt --valid-subset test
+	@echo
+	@echo "Checkpoints:     $(DEMO_SAVE_DIR)/checkpoint_best.pt and checkpoint_last.pt"
+	@echo "TensorBoard:     $(BIN)/tensorboard --logdir $(DEMO_LOGDIR)   then open http://localhost:6006"
+	@echo "                 (the CUSTOM SCALARS tab shows every rank's share and speed on one chart)"
+	@echo "The tools:       . $(BIN)/activate; hetfair-train --user-dir plugins --task mnist --help"
+
+test: setup test-data
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+setup: $(STAMPS)/installed
+
+demo-data:
+	@tools/install_debian_packages.sh $(DEMO_PACKAGES)
+
+test-data:
+	@tools/install_debian_packages.sh $(TEST_PACKAGES)
+
+clean-demo:
+	rm -rf $(DEMO_SAVE_DIR) $(DEMO_LOGDIR)
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMPS)/torch: | $(BIN)/python
+	$(PYTHON) tools/install_torch.py $(BIN)/python $(TORCH_VERSION)
+	@mkdir -p $(STAMPS) && touch $@
+
+$(STAMPS)/installed: $(STAMPS)/torch setup.cfg pyproject.toml plugins/hetfair_plugin_example/pyproject.toml
+	$(BIN)/python -m pip install --quiet -e ".[test]" -e plugins/hetfair_plugin_example
+	@touch $@
