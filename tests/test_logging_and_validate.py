@@ -247,7 +247,7 @@ def test_validate_into_a_closed_pipe_ends_quietly(tmp_path):
     os.close(reader)  # like `| head -1` once head has gone: nobody reads the lines
     try:
         result = subprocess.run(validate_command("--path", str(save_dir / "checkpoint_last.pt"),
-                                                 "--valid-subset", "valid,test"),
+                                                 "--valid-subset", "valid,test", "--user-dir", str(TOY_PLUGIN)),
                                 stdout=writer, stderr=subprocess.PIPE, text=True, timeout=120, check=False)
     finally:
         os.close(writer)
