@@ -22,8 +22,8 @@ from hetfair.errors import ConfigError, DataError
 IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as in Google's BERT and Hugging Face
 
 
-_CHUNK_SENTENCES = 1 << 20
-"""Sentences packed per vectorized pass (whole documents; bounds the temporary arrays)."""
+_CHUNK_SENTENCES = 1 << 18
+"""Sentences packed per vectorized pass (whole documents; bounds the temporary arrays to a few MB)."""
 _VECTOR_MIN_DOCUMENTS = 64
 """Below this many documents still being packed, the rest are walked in Python (few long documents)."""
 
@@ -41,7 +41,7 @@ def build_blocks(offsets: np.ndarray, document_index: np.ndarray, budget: int, m
     budget, after its ``budget``-sized pieces and the sentences that fit behind the
     last piece), so the next sentence each sentence start leads to is computed for all
     sentences at once, and every document's chain is followed in parallel. Documents
-    are processed in chunks of about a million sentences; ``offsets`` and
+    are processed in chunks of about 250,000 sentences; ``offsets`` and
     ``document_index`` may be memory maps.
     """
     if budget < 1:
@@ -97,12 +97,13 @@ def _pack_chunk(offsets: np.ndarray, document_index: np.ndarray, budget: int) ->
         current = target[current]
         more = current < stop
         current, stop = current[more], stop[more]
-    if len(current):
-        following = target.tolist()
+    if len(current):  # a few (long) documents left: walk them in Python over their part of the chain
+        low = int(current.min())
+        following = target[low:int(stop.max())].tolist()
         for node, end in zip(current.tolist(), stop.tolist()):
             while node < end:
                 visited[node] = True
-                node = following[node]
+                node = following[node - low]
     nodes = np.flatnonzero(visited)
     # each visited start gives its pieces and one block to bounds[target]
     counts = pieces[nodes] + 1
