@@ -103,7 +103,8 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=80, help="updates per set-up")
     parser.add_argument("--sample-ms", type=float, default=40.0, help="milliseconds per sample at speed 1")
     parser.add_argument("--steady-from", type=int, default=40,
-                        help="first update of the steady-state window (auto-balance decides first at update 30)")
+                        help="first update of the steady-state window (with the default tuning auto-balance decides "
+                             "first at update 5)")
     args = parser.parse_args()
     ideal = sum(SPEEDS) / (args.sample_ms / 1000.0)
     print(f"simulated speeds {SPEEDS}, {args.sample_ms:g} ms/sample at speed 1, global batch {GLOBAL_BATCH}, "
