@@ -3,7 +3,8 @@
 After every update each rank knows every rank's samples and compute seconds
 (the trainer syncs them in its single stats all-reduce). The balancer averages
 them per rank (a running mean over the first updates at a split, then an
-exponential moving average) and, every ``interval`` measured updates, computes
+exponential moving average) and, after ``first_interval`` measured updates at
+the start (and after a speed change), then every ``interval`` ones, computes
 the split that equalises the predicted step times, water-filled under each
 rank's cap. It adopts that split only when the predicted step time (the slowest
 rank's) drops by more than ``threshold``: hysteresis against noise.
@@ -34,6 +35,8 @@ from hetfair.data.batch_plan import split_counts
 
 _MIN_SPREAD = 0.2
 """Two splits of a rank give its overhead only when they differ by this fraction of the larger."""
+FIRST_INTERVAL = 2
+"""Measured updates before the first decision with the command's flags (see :meth:`BalanceConfig.from_args`)."""
 _MAX_OVERHEAD = 0.9
 """Fitted overheads are clamped to this fraction of the measured step time."""
 
@@ -52,11 +55,14 @@ class BalanceConfig:
     """Re-split only if the predicted step time drops by more than this fraction."""
     change: float = 0.25
     """A rank's step time off its average by more than this fraction twice in a row: re-measure."""
+    first_interval: int = 0
+    """Measured updates before the first decision and the one after a speed change (0: ``interval``)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "BalanceConfig":
+        # the first decision (far from balance, where waiting costs most) comes after 2 measured updates
         return cls(args.balance_warmup_updates, args.balance_interval, args.balance_smoothing,
-                   args.balance_threshold)
+                   args.balance_threshold, first_interval=min(FIRST_INTERVAL, args.balance_interval))
 
 
 class LoadBalancer:
@@ -81,6 +87,7 @@ class LoadBalancer:
         # the last update's (samples, seconds) and the ranks, with the sign, that departed from the average
         self._last: Optional[list[list[float]]] = None
         self._departed: list[int] = []
+        self._fresh = True  # no decision yet at these speeds: the next comes after first_interval updates
         self._restart_measurements()
 
     def observe(self, samples: Sequence[float], seconds: Sequence[float]) -> Optional[list[int]]:
@@ -95,6 +102,7 @@ class LoadBalancer:
             last_samples, last_seconds = self._last
             self._previous = None
             self._restart_measurements()
+            self._fresh = True
             self._average(last_samples, last_seconds)
             self._measured = 1
             departed = []
@@ -102,7 +110,7 @@ class LoadBalancer:
         self._last = [samples, seconds]
         self._average(samples, self._clipped(samples, seconds))
         self._measured += 1
-        if self._measured % self.config.interval != 0:
+        if not self._deciding():
             return None
         proposal = self._propose()
         if proposal is None:
@@ -112,6 +120,17 @@ class LoadBalancer:
         self.resplits += 1
         self._restart_measurements()
         return list(proposal)
+
+    def _deciding(self) -> bool:
+        """Whether this update ends a decision interval: ``first_interval`` before the first decision
+        and after a speed change (``_fresh``), then every ``interval`` measured updates."""
+        if self._fresh and self.config.first_interval:
+            if self._measured < self.config.first_interval:
+                return False
+            self._fresh = False
+            self._measured_at_fresh = self._measured
+            return True
+        return (self._measured - self._measured_at_fresh) % self.config.interval == 0
 
     def _departures(self, samples: Sequence[float], seconds: Sequence[float]) -> list[int]:
         """Ranks (``+r + 1`` slower, ``-r - 1`` faster) whose time per sample is off the average by ``change``."""
@@ -205,6 +224,7 @@ class LoadBalancer:
 
     def _restart_measurements(self) -> None:
         self._measured = 0
+        self._measured_at_fresh = 0
         self._samples = [0.0] * len(self.caps)
         self._seconds = [0.0] * len(self.caps)
         self._departed = []
@@ -223,7 +243,8 @@ class LoadBalancer:
         """Plain data: the split and the measurements taken at it (and at the previous split)."""
         return {"split": list(self.split), "resplits": self.resplits, "measured": self._measured,
                 "samples": list(self._samples), "seconds": list(self._seconds),
-                "previous": self._previous, "last": self._last, "departed": list(self._departed)}
+                "previous": self._previous, "last": self._last, "departed": list(self._departed),
+                "fresh": self._fresh, "measured_at_fresh": self._measured_at_fresh}
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Restore a saved state; ``False`` (and nothing restored) when its split does not fit this run."""
@@ -243,6 +264,8 @@ class LoadBalancer:
         last = state.get("last")
         self._last = None if last is None else [[float(x) for x in part] for part in last]
         self._departed = [int(r) for r in state.get("departed", [])]
+        self._fresh = bool(state.get("fresh", False))
+        self._measured_at_fresh = int(state.get("measured_at_fresh", 0))
         return True
 
 

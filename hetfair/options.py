@@ -156,7 +156,7 @@ def add_balance_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--auto-balance", action="store_true",
                        help="re-split each global batch among processes by their measured speed "
                             "(each process's batch size stays a maximum)")
-    group.add_argument("--balance-warmup-updates", type=int, default=2, metavar="N",
+    group.add_argument("--balance-warmup-updates", type=int, default=1, metavar="N",
                        help="updates to ignore after start-up before measuring speeds")
     group.add_argument("--balance-interval", type=int, default=3, metavar="N",
                        help="measured updates between two re-split decisions")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -138,11 +139,14 @@ def test_a_saved_split_that_does_not_fit_is_refused(caps, global_batch):
 
 # -- the default tuning reacts within a few updates ------------------------------------------
 def default_config() -> BalanceConfig:
+    """The tuning ``hetfair-train --auto-balance`` uses by default."""
+    from argparse import Namespace
+
     from hetfair.options import build_parser
 
     parser = build_parser()
-    return BalanceConfig(*(parser.get_default(f"balance_{name}")
-                           for name in ("warmup_updates", "interval", "smoothing", "threshold")))
+    names = ("warmup_updates", "interval", "smoothing", "threshold")
+    return BalanceConfig.from_args(Namespace(**{f"balance_{n}": parser.get_default(f"balance_{n}") for n in names}))
 
 
 IDEAL_1124 = [16, 16, 32, 64]  # 128 samples in proportion 1:1:2:4
@@ -189,7 +193,26 @@ def test_a_single_slow_step_does_not_move_a_balanced_split():
         return n * SPEEDS_1124[rank] * (3.0 if (update, rank) in {(30, 0), (45, 3), (60, 2)} else 1.0)
 
     balancer = LoadBalancer([64] * 4, 128, default_config())
-    assert drive(balancer, cost, 100) == [(5, IDEAL_1124)]
+    resplits = drive(balancer, cost, 100)
+    assert len(resplits) == 1 and resplits[0][1] == IDEAL_1124
+
+
+def test_restored_default_balancer_decides_like_the_original():
+    def cost(update: int, rank: int, n: int) -> float:
+        slow_down = 4.0 if rank == 3 and update > 12 else 1.0
+        return (2.0 if rank == 0 else 0.0) + n * SPEEDS_1124[rank] * slow_down
+
+    for stop in (2, 4, 7, 13, 14):  # mid-interval, after the fit, while a speed change is being confirmed
+        original = LoadBalancer([64] * 4, 128, default_config())
+        drive(original, cost, stop)
+        restored = LoadBalancer([64] * 4, 128, replace(default_config(), warmup_updates=0))
+        assert restored.load_state_dict(json.loads(json.dumps(original.state_dict())))
+        assert original.split == restored.split
+
+        def later(update: int, rank: int, n: int) -> float:
+            return cost(update + stop, rank, n)
+
+        assert drive(restored, later, 30) == drive(original, later, 30)
 
 
 def update_result(samples: list[float], seconds: list[float]) -> UpdateResult:
