@@ -59,9 +59,17 @@ def build_blocks(offsets: np.ndarray, document_index: np.ndarray, budget: int, m
         all_blocks.append(blocks[keep])
         all_documents.append(documents[keep] + first_document)
         first_document = end_document
-    if not all_blocks:
-        return np.zeros((0, 2), dtype=np.int64), np.zeros(0, dtype=np.int64)
-    return np.concatenate(all_blocks), np.concatenate(all_documents)
+    # one array each, freeing every chunk's part once copied (peak: the result and one part, not twice the result)
+    total = sum(len(part) for part in all_blocks)
+    blocks, documents = np.empty((total, 2), dtype=np.int64), np.empty(total, dtype=np.int64)
+    at = 0
+    all_blocks.reverse()
+    all_documents.reverse()
+    while all_blocks:
+        part, part_documents = all_blocks.pop(), all_documents.pop()
+        blocks[at:at + len(part)], documents[at:at + len(part)] = part, part_documents
+        at += len(part)
+    return blocks, documents
 
 
 def _pack_chunk(offsets: np.ndarray, document_index: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
@@ -97,13 +105,12 @@ def _pack_chunk(offsets: np.ndarray, document_index: np.ndarray, budget: int) ->
         current = target[current]
         more = current < stop
         current, stop = current[more], stop[more]
-    if len(current):  # a few (long) documents left: walk them in Python over their part of the chain
-        low = int(current.min())
-        following = target[low:int(stop.max())].tolist()
-        for node, end in zip(current.tolist(), stop.tolist()):
-            while node < end:
-                visited[node] = True
-                node = following[node - low]
+    for node, end in zip(current.tolist(), stop.tolist()):  # a few (long) documents left: walk them in Python
+        following = target[node:end].tolist()
+        low = node
+        while node < end:
+            visited[node] = True
+            node = following[node - low]
     nodes = np.flatnonzero(visited)
     # each visited start gives its pieces and one block to bounds[target]
     counts = pieces[nodes] + 1
