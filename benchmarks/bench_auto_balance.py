@@ -103,8 +103,13 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=80, help="updates per set-up")
     parser.add_argument("--sample-ms", type=float, default=40.0, help="milliseconds per sample at speed 1")
     parser.add_argument("--steady-from", type=int, default=40,
-                        help="first update of the steady-state window (auto-balance decides first at update 30)")
+                        help="first update of the steady-state window (with the default tuning auto-balance decides "
+                             "first at update 3)")
+    parser.add_argument("--setups", default="all",
+                        help="comma-separated set-ups to run: equal, static, auto (default: all)")
     args = parser.parse_args()
+    keys = {"equal": SETUPS[0], "static": SETUPS[1], "auto": SETUPS[2]}
+    setups = SETUPS if args.setups == "all" else [keys[key] for key in args.setups.split(",")]
     ideal = sum(SPEEDS) / (args.sample_ms / 1000.0)
     print(f"simulated speeds {SPEEDS}, {args.sample_ms:g} ms/sample at speed 1, global batch {GLOBAL_BATCH}, "
           f"{args.updates} updates; ideal {ideal:.0f} samples/s")
@@ -113,7 +118,7 @@ def main() -> None:
     print(header)
     print("-" * len(header))
     with tempfile.TemporaryDirectory() as workdir:
-        for setup in SETUPS:
+        for setup in setups:
             records = run(setup, args.updates, args.sample_ms, Path(workdir))
             steady, efficiency = throughput(records, args.steady_from)
             whole, _ = throughput(records, 0)

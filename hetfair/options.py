@@ -157,9 +157,9 @@ def add_balance_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--auto-balance", action="store_true",
                        help="re-split each global batch among processes by their measured speed "
                             "(each process's batch size stays a maximum)")
-    group.add_argument("--balance-warmup-updates", type=int, default=10, metavar="N",
+    group.add_argument("--balance-warmup-updates", type=int, default=1, metavar="N",
                        help="updates to ignore after start-up before measuring speeds")
-    group.add_argument("--balance-interval", type=int, default=20, metavar="N",
+    group.add_argument("--balance-interval", type=int, default=3, metavar="N",
                        help="measured updates between two re-split decisions")
     group.add_argument("--balance-smoothing", type=float, default=0.2, metavar="W",
                        help="weight of the newest update in the moving average of compute times (0 < W <= 1)")

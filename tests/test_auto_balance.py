@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -134,6 +135,84 @@ def test_a_saved_split_that_does_not_fit_is_refused(caps, global_batch):
     initial = list(fresh.split)
     assert not fresh.load_state_dict(saved.state_dict())
     assert fresh.split == initial
+
+
+# -- the default tuning reacts within a few updates ------------------------------------------
+def default_config() -> BalanceConfig:
+    """The tuning ``hetfair-train --auto-balance`` uses by default."""
+    from argparse import Namespace
+
+    from hetfair.options import build_parser
+
+    parser = build_parser()
+    names = ("warmup_updates", "interval", "smoothing", "threshold")
+    return BalanceConfig.from_args(Namespace(**{f"balance_{n}": parser.get_default(f"balance_{n}") for n in names}))
+
+
+IDEAL_1124 = [16, 16, 32, 64]  # 128 samples in proportion 1:1:2:4
+
+
+def test_defaults_resplit_within_five_measured_updates():
+    config = default_config()
+    balancer = LoadBalancer([64] * 4, 128, config)
+    resplits = drive(balancer, linear(SPEEDS_1124), 60)
+    assert resplits == [(resplits[0][0], IDEAL_1124)] and resplits[0][0] - config.warmup_updates <= 5
+
+
+def test_per_step_overheads_converge_in_two_resplits():
+    overhead = (6.0, 0.0, 3.0, 0.0)
+    balancer = LoadBalancer([96] * 4, 128, default_config())  # no cap binds
+    resplits = drive(balancer, linear(SPEEDS_1124, overhead), 100)
+    assert 1 <= len(resplits) <= 2 and resplits[-1][0] <= 12
+    times = [overhead[r] + n * SPEEDS_1124[r] for r, n in enumerate(balancer.split)]
+    assert max(times) - min(times) <= max(SPEEDS_1124)  # equal step times, up to one sample
+
+
+@pytest.mark.parametrize("overhead", [(0.0, 0.0, 0.0, 0.0), (3.0, 3.0, 3.0, 3.0)])
+def test_a_slowed_rank_is_rebalanced_within_ten_updates(overhead):
+    def cost(update: int, rank: int, n: int) -> float:
+        slow_down = 4.0 if rank == 3 and update > 20 else 1.0  # rank 3 drops from speed 4 to 1
+        return overhead[rank] + n * SPEEDS_1124[rank] * slow_down
+
+    balancer = LoadBalancer([64] * 4, 128, default_config())
+    later = [(update, split) for update, split in drive(balancer, cost, 80) if update > 20]
+    assert later and later[-1][0] <= 30
+    times = [overhead[r] + n * SPEEDS_1124[r] * (4.0 if r == 3 else 1.0) for r, n in enumerate(balancer.split)]
+    assert max(times) - min(times) <= 1.0  # 1 s: one sample of the slowest rank
+
+
+def test_noisy_timings_do_not_oscillate():
+    balancer = LoadBalancer([64] * 4, 128, default_config())
+    resplits = drive(balancer, noisy(SPEEDS_1124, 0.1), 400)
+    assert len(resplits) <= 5 and resplits[-1][0] <= 40  # settles early, then holds for 360 updates
+    assert all(abs(n - ideal) <= 1 for n, ideal in zip(balancer.split, IDEAL_1124))
+
+
+def test_a_single_slow_step_does_not_move_a_balanced_split():
+    def cost(update: int, rank: int, n: int) -> float:
+        return n * SPEEDS_1124[rank] * (3.0 if (update, rank) in {(30, 0), (45, 3), (60, 2)} else 1.0)
+
+    balancer = LoadBalancer([64] * 4, 128, default_config())
+    resplits = drive(balancer, cost, 100)
+    assert len(resplits) == 1 and resplits[0][1] == IDEAL_1124
+
+
+def test_restored_default_balancer_decides_like_the_original():
+    def cost(update: int, rank: int, n: int) -> float:
+        slow_down = 4.0 if rank == 3 and update > 12 else 1.0
+        return (2.0 if rank == 0 else 0.0) + n * SPEEDS_1124[rank] * slow_down
+
+    for stop in (2, 4, 7, 13, 14):  # mid-interval, after the fit, while a speed change is being confirmed
+        original = LoadBalancer([64] * 4, 128, default_config())
+        drive(original, cost, stop)
+        restored = LoadBalancer([64] * 4, 128, replace(default_config(), warmup_updates=0))
+        assert restored.load_state_dict(json.loads(json.dumps(original.state_dict())))
+        assert original.split == restored.split
+
+        def later(update: int, rank: int, n: int) -> float:
+            return cost(update + stop, rank, n)
+
+        assert drive(restored, later, 30) == drive(original, later, 30)
 
 
 def update_result(samples: list[float], seconds: list[float]) -> UpdateResult:

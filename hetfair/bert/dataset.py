@@ -8,7 +8,6 @@ is the same whichever rank, batch or DataLoader worker produces it.
 
 from __future__ import annotations
 
-from itertools import pairwise
 from typing import Any
 
 import numpy as np
@@ -23,6 +22,12 @@ from hetfair.errors import ConfigError, DataError
 IS_NEXT, NOT_NEXT = 0, 1  # NSP labels, as in Google's BERT and Hugging Face
 
 
+_CHUNK_SENTENCES = 1 << 18
+"""Sentences packed per vectorized pass (whole documents; bounds the temporary arrays to a few MB)."""
+_VECTOR_MIN_DOCUMENTS = 64
+"""Below this many documents still being packed, the rest are walked in Python (few long documents)."""
+
+
 def build_blocks(offsets: np.ndarray, document_index: np.ndarray, budget: int, min_tokens: int = 1
                  ) -> tuple[np.ndarray, np.ndarray]:
     """Greedily pack each document's consecutive sentences into token ranges of at most ``budget``.
@@ -30,30 +35,100 @@ def build_blocks(offsets: np.ndarray, document_index: np.ndarray, budget: int, m
     A sentence longer than ``budget`` is cut into ``budget``-sized pieces. Ranges
     shorter than ``min_tokens`` are dropped. Returns ``(blocks, documents)``:
     ``blocks[i] = (start, end)`` token offsets and ``documents[i]`` its document.
+
+    Vectorized: a block starting at token ``p`` ends at the last sentence end of its
+    document within ``p + budget`` (or, when the sentence at ``p`` is longer than the
+    budget, after its ``budget``-sized pieces and the sentences that fit behind the
+    last piece), so the next sentence each sentence start leads to is computed for all
+    sentences at once, and every document's chain is followed in parallel. Documents
+    are processed in chunks of about 250,000 sentences; ``offsets`` and
+    ``document_index`` may be memory maps.
     """
-    blocks: list[tuple[int, int]] = []
-    documents: list[int] = []
+    if budget < 1:
+        raise ValueError(f"block budget must be at least 1 token, got {budget}")
+    document_index = np.asarray(document_index, dtype=np.int64)
+    n_documents = len(document_index) - 1
+    all_blocks, all_documents = [], []
+    first_document = 0
+    while first_document < n_documents:
+        base = int(document_index[first_document])
+        end_document = int(np.searchsorted(document_index, base + _CHUNK_SENTENCES, "right")) - 1
+        end_document = min(max(end_document, first_document + 1), n_documents)
+        blocks, documents = _pack_chunk(offsets, document_index[first_document:end_document + 1], budget)
+        keep = blocks[:, 1] - blocks[:, 0] >= min_tokens
+        all_blocks.append(blocks[keep])
+        all_documents.append(documents[keep] + first_document)
+        first_document = end_document
+    # one array each, freeing every chunk's part once copied (peak: the result and one part, not twice the result)
+    total = sum(len(part) for part in all_blocks)
+    blocks, documents = np.empty((total, 2), dtype=np.int64), np.empty(total, dtype=np.int64)
+    at = 0
+    all_blocks.reverse()
+    all_documents.reverse()
+    while all_blocks:
+        part, part_documents = all_blocks.pop(), all_documents.pop()
+        blocks[at:at + len(part)], documents[at:at + len(part)] = part, part_documents
+        at += len(part)
+    return blocks, documents
 
-    def emit(start: int, end: int, document: int) -> None:
-        if end - start >= min_tokens:
-            blocks.append((start, end))
-            documents.append(document)
 
-    for document in range(len(document_index) - 1):
-        first, last = int(document_index[document]), int(document_index[document + 1])
-        bounds = offsets[first:last + 1].tolist()
-        start = bounds[0]
-        for sentence_start, sentence_end in pairwise(bounds):
-            if sentence_end - start <= budget:
-                continue
-            if sentence_start > start:
-                emit(start, sentence_start, document)
-                start = sentence_start
-            while sentence_end - start > budget:
-                emit(start, start + budget, document)
-                start += budget
-        emit(start, bounds[-1], document)
-    return np.array(blocks, dtype=np.int64).reshape(-1, 2), np.array(documents, dtype=np.int64)
+def _pack_chunk(offsets: np.ndarray, document_index: np.ndarray, budget: int) -> tuple[np.ndarray, np.ndarray]:
+    """All blocks (unfiltered) of the documents ``document_index`` delimits, documents numbered from 0."""
+    base, top = int(document_index[0]), int(document_index[-1])
+    bounds = np.asarray(offsets[base:top + 1], dtype=np.int64)  # sentence i: bounds[i]..bounds[i + 1]
+    starts, ends = document_index[:-1] - base, document_index[1:] - base  # per document, in sentences
+    lengths = ends - starts
+    n = top - base
+    # the document of each sentence and its last bound
+    sentence_document = np.repeat(np.arange(len(starts)), lengths)
+    last = ends[sentence_document]
+    position = bounds[:n]
+    # a block starting at each sentence start: the last sentence end within the budget
+    target = np.minimum(np.searchsorted(bounds, position + budget, "right") - 1, last)
+    simple = bounds[target] > position
+    pieces = np.zeros(n, dtype=np.int64)  # budget-sized pieces cut before the block that ends at bounds[target]
+    long = np.flatnonzero(~simple)
+    if len(long):
+        p, doc_last = position[long], last[long]
+        at_end = bounds[doc_last] <= p  # only empty sentences left: one empty block to the document end
+        following = np.minimum(np.searchsorted(bounds, p, "right"), doc_last)
+        cuts = np.where(at_end, 0, (bounds[following] - p - 1) // budget)
+        rest = p + cuts * budget
+        target[long] = np.minimum(np.searchsorted(bounds, rest + budget, "right") - 1, doc_last)
+        target[long[at_end]] = doc_last[at_end]
+        pieces[long] = cuts
+    # follow every document's chain of block starts, all documents in parallel
+    visited = np.zeros(n, dtype=bool)
+    current, stop = starts[lengths > 0], ends[lengths > 0]
+    while len(current) >= _VECTOR_MIN_DOCUMENTS:
+        visited[current] = True
+        current = target[current]
+        more = current < stop
+        current, stop = current[more], stop[more]
+    for node, end in zip(current.tolist(), stop.tolist()):  # a few (long) documents left: walk them in Python
+        following = target[node:end].tolist()
+        low = node
+        while node < end:
+            visited[node] = True
+            node = following[node - low]
+    nodes = np.flatnonzero(visited)
+    # each visited start gives its pieces and one block to bounds[target]
+    counts = pieces[nodes] + 1
+    first = np.cumsum(counts) - counts
+    within = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(first, counts)
+    block_starts = np.repeat(position[nodes], counts) + within * budget
+    block_ends = block_starts + budget
+    block_ends[first + counts - 1] = bounds[target[nodes]]
+    documents = np.repeat(sentence_document[nodes], counts)
+    empty = np.flatnonzero(lengths == 0)
+    if len(empty):  # a document without sentences is one empty block (dropped unless min_tokens <= 0)
+        at = bounds[starts[empty]]
+        block_starts = np.concatenate([block_starts, at])
+        block_ends = np.concatenate([block_ends, at])
+        order = np.argsort(np.concatenate([documents, empty]), kind="stable")
+        documents = np.concatenate([documents, empty])[order]
+        block_starts, block_ends = block_starts[order], block_ends[order]
+    return np.stack([block_starts, block_ends], axis=1), documents
 
 
 class BertDataset(Dataset):
