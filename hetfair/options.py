@@ -15,6 +15,7 @@ import argparse
 from typing import Any, Sequence
 
 from hetfair.criteria import CRITERION_REGISTRY
+from hetfair.distributed.per_process import parse_per_process, values_of
 from hetfair.errors import ConfigError
 from hetfair.models import MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
@@ -58,10 +59,12 @@ def add_component_args(parser: argparse.ArgumentParser) -> None:
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset and batching")
     group.add_argument("--data", metavar="DIR", help="data directory of the task")
-    group.add_argument("--max-sentences", "--batch-size", type=int, metavar="N", dest="max_sentences",
-                       help="samples per process and micro-batch (may differ between nodes)")
-    group.add_argument("--max-tokens", type=int, metavar="N",
-                       help="tokens per process and micro-batch (may differ between nodes)")
+    group.add_argument("--max-sentences", "--batch-size", metavar="N[,N...]", dest="max_sentences",
+                       help="samples per process and micro-batch (may differ between nodes); a list gives one "
+                            "value per process of this command, e.g. 48,16")
+    group.add_argument("--max-tokens", metavar="N[,N...]",
+                       help="tokens per process and micro-batch (may differ between nodes); a list gives one "
+                            "value per process of this command")
     group.add_argument("--global-batch-size", type=int, metavar="N",
                        help="samples per step over all processes (default: the sum of their batch sizes; "
                             "smaller leaves room for --auto-balance to move the split)")
@@ -233,11 +236,14 @@ def validate_args(args: argparse.Namespace) -> None:
     """Cross-option checks that argparse cannot express."""
     if args.max_sentences is None and args.max_tokens is None:
         raise ConfigError("give a batch size: --max-sentences N (samples per process) or --max-tokens N")
+    for name in ("max_sentences", "max_tokens"):
+        if isinstance(getattr(args, name), str):
+            setattr(args, name, parse_per_process(getattr(args, name), _whole_number, name))
     for name in ("max_sentences", "max_tokens", "update_freq", "distributed_world_size", "global_batch_size",
                  "balance_interval"):
-        value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        for value in values_of(getattr(args, name)):
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
     if args.balance_warmup_updates < 0:
         raise ConfigError(f"--balance-warmup-updates must not be negative, got {args.balance_warmup_updates}")
     if not 0 < args.balance_smoothing <= 1:
@@ -246,6 +252,13 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--balance-threshold must be in [0, 1), got {args.balance_threshold}")
     if args.zero_shard_weights is not None and args.zero_sharding != "os":
         raise ConfigError("--zero-shard-weights needs --zero-sharding os")
+
+
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"'{text}' is not a whole number") from None
 
 
 def plain_config(args: argparse.Namespace) -> dict[str, Any]:
