@@ -6,6 +6,15 @@ return summed losses, DDP averages gradients over ranks, and the trainer
 multiplies by ``world_size / total_sample_size`` (the total comes from the same
 single all-reduce that carries the logging stats). Any split of a global batch
 over ranks and micro-batches therefore yields the same update.
+
+Mixed precision (:mod:`hetfair.precision`) leaves that math alone: each process
+runs forward and loss under its own autocast, parameters and gradients stay fp32.
+When any rank runs fp16, every rank multiplies its summed loss by the job's loss
+scale ``S`` before backward, and the normalisation multiplies by
+``world_size / (total_sample_size * S)`` in one fused op that also flags inf/NaN.
+An overflow is seen identically on every rank (the gradients are all-reduced),
+so every rank skips that update: parameters, optimizer state, schedule and
+``num_updates`` stay as they were (as in fairseq), and ``S`` is halved.
 """
 
 from __future__ import annotations
@@ -22,10 +31,11 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetfair.distributed.context import DistributedContext
-from hetfair.distributed.stats import UpdateResult, is_summable, sum_logs, sync_stats
+from hetfair.distributed.stats import SyncedStats, UpdateResult, is_summable, sum_logs, sync_stats
 from hetfair.distributed.zero import ShardingConfig, build_optimizer, full_state_dict
 from hetfair.errors import CheckpointError, DivergenceError, first_line
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY, LRScheduler
+from hetfair.precision import LossScaler, autocast
 from hetfair.utils import derived_seed, move_to_device
 
 
@@ -41,10 +51,13 @@ class TrainerConfig:
     """The optimizer's registry name, recorded in checkpoints."""
     reset_optimizer: bool = False
     """On restore, load the model only; optimizer and schedule start afresh."""
+    precision: str = "fp32"
+    """This process's forward/loss precision: fp32, bf16 or fp16 (under autocast)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainerConfig":
-        return cls(args.seed, args.clip_norm, args.find_unused_parameters, args.optimizer, args.reset_optimizer)
+        return cls(args.seed, args.clip_norm, args.find_unused_parameters, args.optimizer, args.reset_optimizer,
+                   args.precision)
 
 
 class _ComputeClock:
@@ -75,8 +88,11 @@ class Trainer:
         dummy_batch: dict[str, Any],
         optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         lr_scheduler_factory: Callable[[torch.optim.Optimizer], LRScheduler],
+        loss_scaler: Optional[LossScaler] = None,
     ) -> None:
         self.config = config
+        self.loss_scaler = loss_scaler
+        """The job's loss scale (every rank holds one when any rank runs fp16), else ``None``."""
         self.context = context
         self.model = model.to(context.device)
         self.criterion = criterion.to(context.device)
@@ -97,14 +113,17 @@ class Trainer:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: nn.Module, criterion: nn.Module,
-                  context: DistributedContext, dummy_batch: dict[str, Any]) -> "Trainer":
-        """The trainer of ``args``: its ``--optimizer`` (sharded as ``--zero-sharding`` says) and ``--lr-scheduler``."""
+                  context: DistributedContext, dummy_batch: dict[str, Any],
+                  loss_scaler: Optional[LossScaler] = None) -> "Trainer":
+        """The trainer of ``args``: its ``--optimizer`` (sharded as ``--zero-sharding`` says), ``--lr-scheduler``
+        and ``--precision``, with the job's ``loss_scaler`` (see :func:`hetfair.precision.job_loss_scaler`)."""
         recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
         sharding = ShardingConfig.from_args(args)
         return cls(
             TrainerConfig.from_args(args), model, criterion, context, dummy_batch,
             optimizer_factory=lambda params: build_optimizer(recipe, args, params, context, sharding),
             lr_scheduler_factory=lambda optimizer: LR_SCHEDULER_REGISTRY.get(args.lr_scheduler)(args, optimizer),
+            loss_scaler=loss_scaler,
         )
 
     # -- training --------------------------------------------------------------
@@ -127,9 +146,12 @@ class Trainer:
             batch = move_to_device(sample if sample is not None else self._dummy_batch, self.context.device)
             sync = nullcontext() if is_last or not self.context.is_distributed else self.wrapped_model.no_sync()
             with sync:
-                loss, sample_size, logs = self.criterion(self.wrapped_model, batch)
+                with autocast(self.config.precision, self.context.device):
+                    loss, sample_size, logs = self.criterion(self.wrapped_model, batch)
                 if sample is None:
                     loss = loss * 0.0  # joins DDP's all-reduce with a zero gradient
+                if self.loss_scaler is not None:
+                    loss = loss * self.loss_scaler.scale
                 loss.backward()
             if sample is None:
                 # zeroed logs keep the key set identical on every rank for the packed all-reduce
@@ -150,9 +172,10 @@ class Trainer:
         if total_sample_size <= 0:
             return None
 
-        # 3. normalise by the global sample count (DDP already divided by world size)
+        # 3. normalise by the global sample count (DDP already divided by world size), undo the loss scale
         grads = [p.grad for p in self.params if p.grad is not None]
-        torch._foreach_mul_(grads, self.context.world_size / total_sample_size)
+        if self._normalise(grads, self.context.world_size / total_sample_size):
+            return self._skip(synced)
 
         # 4. clip by global norm (gradients are identical on all ranks after DDP)
         gnorm = self._clip_grad_norm(grads)
@@ -166,9 +189,39 @@ class Trainer:
         self.optimizer.step()
         self.num_updates += 1
         self.lr_scheduler.step_update(self.num_updates)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
         clip_norm = self.config.clip_norm
         return UpdateResult(synced.totals, synced.per_rank["samples"], synced.per_rank["compute_seconds"],
-                            lr=lr, gnorm=gnorm, clipped=clip_norm > 0 and gnorm > clip_norm)
+                            lr=lr, gnorm=gnorm, clipped=clip_norm > 0 and gnorm > clip_norm,
+                            loss_scale=self._loss_scale())
+
+    def _normalise(self, grads: list[torch.Tensor], factor: float) -> bool:
+        """Multiply the gradients by ``factor`` (and by ``1 / S`` when loss scaling); True on inf/NaN.
+
+        Without loss scaling there is nothing to check: the gradient norm's check
+        below reports a non-finite gradient as divergence.
+        """
+        if self.loss_scaler is None:
+            torch._foreach_mul_(grads, factor)
+            return False
+        device = self.context.device
+        found_inf = torch.zeros(1, device=device)
+        inverse_scale = torch.full((1,), factor / self.loss_scaler.scale, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inverse_scale)
+        return bool(found_inf.item())
+
+    def _skip(self, synced: SyncedStats) -> UpdateResult:
+        """Drop an overflowed update on this rank (every rank does the same) and lower the loss scale."""
+        assert self.loss_scaler is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss_scaler.update(overflow=True)
+        return UpdateResult(synced.totals, synced.per_rank["samples"], synced.per_rank["compute_seconds"],
+                            lr=self.optimizer.param_groups[0]["lr"], gnorm=0.0, clipped=False, skipped=True,
+                            loss_scale=self._loss_scale())
+
+    def _loss_scale(self) -> Optional[float]:
+        return None if self.loss_scaler is None else self.loss_scaler.scale
 
     def _clip_grad_norm(self, grads: list[torch.Tensor]) -> float:
         if self.config.clip_norm > 0:

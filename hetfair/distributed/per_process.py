@@ -19,7 +19,7 @@ from hetfair.errors import ConfigError
 
 T = TypeVar("T")
 
-PER_PROCESS_OPTIONS: tuple[str, ...] = ("max_sentences", "max_tokens")
+PER_PROCESS_OPTIONS: tuple[str, ...] = ("max_sentences", "max_tokens", "precision")
 """The ``args`` attributes that may hold one value per local process."""
 
 

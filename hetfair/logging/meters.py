@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 from hetfair.distributed.stats import UpdateResult, sum_logs
 
@@ -22,6 +22,11 @@ class IntervalStats:
     divided by the compute time it took, ``sum_u max_r t_{r,u}`` (each update waits
     for its slowest rank). 1 is perfect balance; an equal split on ranks of speeds
     1:1:2:4 gives 0.5.
+
+    With loss scaling (any rank in fp16) also ``loss_scale`` (the job's scale after
+    the interval's last update) and ``skipped`` (updates dropped for an overflow).
+    A skipped update counts only there: its loss, gradient norm and throughput
+    belong to no applied update.
     """
 
     def __init__(self, reduce_metrics: ReduceMetrics) -> None:
@@ -37,9 +42,15 @@ class IntervalStats:
         self.gnorm_sum = 0.0
         self.clipped = 0
         self.lr = 0.0
+        self.skipped = 0
+        self.loss_scale: Optional[float] = None
         self.started = time.perf_counter()
 
     def add(self, result: UpdateResult) -> None:
+        self.loss_scale = result.loss_scale
+        if result.skipped:
+            self.skipped += 1
+            return
         sum_logs(self.totals, result.totals)
         self.samples = _add(self.samples, result.samples)
         self.compute_seconds = _add(self.compute_seconds, result.compute_seconds)
@@ -51,8 +62,9 @@ class IntervalStats:
 
     def metrics(self) -> dict[str, float]:
         """The metrics of the interval so far (empty when no update happened)."""
+        scaling = {} if self.loss_scale is None else {"loss_scale": self.loss_scale, "skipped": float(self.skipped)}
         if self.updates == 0:
-            return {}
+            return scaling
         elapsed = max(time.perf_counter() - self.started, 1e-9)
         metrics = dict(self.reduce_metrics(self.totals))
         metrics.update(
@@ -71,13 +83,15 @@ class IntervalStats:
         total_speed = sum(count / busy for count, busy in zip(samples, seconds) if busy > 0)
         if total_speed > 0 and self.slowest_seconds > 0:
             metrics["balance_eff"] = total_samples / total_speed / self.slowest_seconds
+        metrics.update(scaling)
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data snapshot for checkpoints (timing restarts on load)."""
         return {"totals": dict(self.totals), "samples": list(self.samples),
-                "compute_seconds": list(self.compute_seconds), "slowest_seconds": self.slowest_seconds, "updates": self.updates, "gnorm_sum": self.gnorm_sum,
-                "clipped": self.clipped, "lr": self.lr}
+                "compute_seconds": list(self.compute_seconds), "slowest_seconds": self.slowest_seconds,
+                "updates": self.updates, "gnorm_sum": self.gnorm_sum, "clipped": self.clipped, "lr": self.lr,
+                "skipped": self.skipped, "loss_scale": self.loss_scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset()
@@ -89,6 +103,8 @@ class IntervalStats:
         self.gnorm_sum = state["gnorm_sum"]
         self.clipped = state["clipped"]
         self.lr = state["lr"]
+        self.skipped = int(state.get("skipped", 0))  # absent from checkpoints written before loss scaling
+        self.loss_scale = state.get("loss_scale")
 
 
 def _add(running: list[float], values: list[float]) -> list[float]:
