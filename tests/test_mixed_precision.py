@@ -27,9 +27,13 @@ from amp_reference import PLUGIN_DIR, Params, bert_reference, change_error, mnis
 from bert_helpers import make_data_dir
 from helpers import TOY_PLUGIN, final_parameters, free_port, run_nodes
 from hetfair.checkpoint import load_checkpoint
+from hetfair.distributed.context import DistributedContext
 from hetfair.logging.meters import IntervalStats
+from hetfair.options import parse_train_args
 from hetfair.plugins import import_user_dir
-from hetfair.precision import autocast
+from hetfair.precision import LossScaleConfig, LossScaler, autocast
+from hetfair.tasks import TASK_REGISTRY
+from hetfair.trainer import Trainer
 from hetfair_cli.train import main as train_main
 from test_mnist_plugin import write_idx
 
@@ -245,6 +249,26 @@ def test_an_overflow_on_one_rank_makes_every_rank_skip_that_update(tmp_path: Pat
             assert torch.equal(skipped["optimizer"]["state"][index]["momentum_buffer"], state["momentum_buffer"])
     for name, value in ranks[0][-1]["params"].items():
         assert torch.equal(ranks[1][-1]["params"][name], value)
+
+
+def test_loss_scaling_leaves_an_fp32_update_bit_for_bit_the_same() -> None:
+    """An fp32 rank in a job with an fp16 rank scales its loss by S = 2**k: exact, so nothing changes."""
+    args = parse_train_args(["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--optimizer", "sgd", "--lr", "0.5"])
+    task = TASK_REGISTRY.get("toy").setup_task(args)
+    data = task.dataset("train")
+    batches = [task.collater([data[i] for i in range(start, start + 16)]) for start in range(0, 64, 16)]
+    context = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    params = []
+    for scaler in (None, LossScaler(LossScaleConfig(init_scale=2.0**10, scale_window=2))):
+        torch.manual_seed(0)
+        trainer = Trainer.from_args(args, task.build_model(args), task.build_criterion(args), context, batches[0],
+                                    scaler)
+        for batch in batches:
+            trainer.train_step([batch])
+        params.append(trainer.model.state_dict())
+    assert scaler.scale == 2.0**12  # it grew twice: the scale changed along the way
+    for name, value in params[0].items():
+        assert torch.equal(params[1][name], value)
 
 
 def toy_fp16(save_dir: Path, *extra: str) -> list[str]:
