@@ -10,10 +10,13 @@ A checkpoint is one ``torch.save`` dict with these top-level keys (format 2)::
     clock           wall_seconds of training so far, over all runs of the job
     epoch_stats     the running training statistics of the current epoch
     balance         the load balancer's split and measurements (only with --auto-balance)
+    loss_scale      the job's loss scale and its updates without overflow (only when a rank runs fp16)
     rng             Python, numpy and torch generator states
 
 Each part but ``config`` and ``best_metric`` is the ``state_dict()`` of one stateful object
 (:class:`Stateful`); :class:`Checkpointer` composes them, and nothing else knows this layout.
+Parameters and optimizer state are fp32 whatever precision the ranks trained in, so a run
+may resume in another precision; ``loss_scale`` is then used only if a rank runs fp16.
 Older formats are migrated on load (:data:`MIGRATIONS`). Files are loaded with
 ``torch.load(weights_only=True)``, so a checkpoint cannot run code.
 """

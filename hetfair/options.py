@@ -15,10 +15,12 @@ import argparse
 from typing import Any, Sequence
 
 from hetfair.criteria import CRITERION_REGISTRY
+from hetfair.distributed.per_process import parse_per_process, values_of
 from hetfair.errors import ConfigError
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.plugins import import_user_dir
+from hetfair.precision import parse_precision
 from hetfair.tasks import TASK_REGISTRY
 from hetfair.utils import DefaultsHelpFormatter
 
@@ -59,10 +61,12 @@ def add_component_args(parser: argparse.ArgumentParser) -> None:
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset and batching")
     group.add_argument("--data", metavar="DIR", help="data directory of the task")
-    group.add_argument("--max-sentences", "--batch-size", type=int, metavar="N", dest="max_sentences",
-                       help="samples per process and micro-batch (may differ between nodes)")
-    group.add_argument("--max-tokens", type=int, metavar="N",
-                       help="tokens per process and micro-batch (may differ between nodes)")
+    group.add_argument("--max-sentences", "--batch-size", metavar="N[,N...]", dest="max_sentences",
+                       help="samples per process and micro-batch (may differ between nodes); a list gives one "
+                            "value per process of this command, e.g. 48,16")
+    group.add_argument("--max-tokens", metavar="N[,N...]",
+                       help="tokens per process and micro-batch (may differ between nodes); a list gives one "
+                            "value per process of this command")
     group.add_argument("--global-batch-size", type=int, metavar="N",
                        help="samples per step over all processes (default: the sum of their batch sizes; "
                             "smaller leaves room for --auto-balance to move the split)")
@@ -90,6 +94,26 @@ def add_optimization_args(parser: argparse.ArgumentParser) -> None:
                        help="clip gradients to this global norm (0: off)")
     group.add_argument("--warmup-updates", type=int, default=0, metavar="N",
                        help="linear learning-rate warm-up over N updates (every scheduler)")
+
+
+def add_precision_args(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("mixed precision")
+    group.add_argument("--precision", metavar="P[,P...]",
+                       help="fp32 (default), bf16 or fp16: the forward pass and loss run under autocast, parameters "
+                            "and gradients stay fp32; may differ between nodes; a list gives one value per process "
+                            "of this command, e.g. fp32,bf16,fp16")
+    group.add_argument("--fp16", action="store_true",
+                       help="--precision fp16 for every process of this command (with dynamic loss scaling)")
+    group.add_argument("--bf16", action="store_true", help="--precision bf16 for every process of this command")
+    group.add_argument("--fp16-init-scale", type=float, default=2.0**7, metavar="S",
+                       help="initial loss scale when any process runs fp16")
+    group.add_argument("--fp16-scale-window", type=int, metavar="N",
+                       help="double the loss scale after N updates without overflow "
+                            "(default: 2**14 / world size / update freq)")
+    group.add_argument("--min-loss-scale", type=float, default=1e-4, metavar="S",
+                       help="stop with an error when an overflow would lower the loss scale to S or below")
+    group.add_argument("--threshold-loss-scale", type=float, metavar="S",
+                       help="never lower the loss scale below S")
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
@@ -176,7 +200,7 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=DefaultsHelpFormatter,
     )
     for add in (add_common_args, add_component_args, add_dataset_args, add_optimization_args,
-                add_checkpoint_args, add_distributed_args, add_balance_args):
+                add_precision_args, add_checkpoint_args, add_distributed_args, add_balance_args):
         add(parser)
     return parser
 
@@ -297,11 +321,21 @@ def validate_args(args: argparse.Namespace) -> None:
     """Cross-option checks that argparse cannot express."""
     if args.max_sentences is None and args.max_tokens is None:
         raise ConfigError("give a batch size: --max-sentences N (samples per process) or --max-tokens N")
+    for name in ("max_sentences", "max_tokens"):
+        if isinstance(getattr(args, name), str):
+            setattr(args, name, parse_per_process(getattr(args, name), _whole_number, name))
+    args.precision = _chosen_precision(args)
     for name in ("max_sentences", "max_tokens", "update_freq", "distributed_world_size", "global_batch_size",
-                 "balance_interval"):
+                 "balance_interval", "fp16_scale_window"):
+        for value in values_of(getattr(args, name)):
+            if value is not None and value < 1:
+                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    for name in ("fp16_init_scale", "threshold_loss_scale"):
         value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+        if value is not None and not value > 0:
+            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
+    if args.min_loss_scale < 0:
+        raise ConfigError(f"--min-loss-scale must not be negative, got {args.min_loss_scale}")
     if args.balance_warmup_updates < 0:
         raise ConfigError(f"--balance-warmup-updates must not be negative, got {args.balance_warmup_updates}")
     if not 0 < args.balance_smoothing <= 1:
@@ -314,6 +348,24 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ConfigError("--ddp-backend fully_sharded already shards the optimizer state; drop --zero-sharding")
     if args.no_reshard_after_forward and args.ddp_backend != "fully_sharded":
         raise ConfigError("--no-reshard-after-forward needs --ddp-backend fully_sharded")
+
+
+def _whole_number(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"'{text}' is not a whole number") from None
+
+
+def _chosen_precision(args: argparse.Namespace) -> str | tuple[str, ...]:
+    """``--precision`` (one value or one per process), or what ``--fp16`` / ``--bf16`` stand for."""
+    given = [flag for flag, chosen in (("--precision", args.precision is not None), ("--fp16", args.fp16),
+                                       ("--bf16", args.bf16)) if chosen]
+    if len(given) > 1:
+        raise ConfigError(f"{' and '.join(given)} both choose the precision; give only one of them")
+    if args.precision is None:
+        return "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
+    return parse_per_process(args.precision, parse_precision, "precision")
 
 
 def plain_config(args: argparse.Namespace) -> dict[str, Any]:

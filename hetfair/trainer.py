@@ -6,6 +6,15 @@ return summed losses, DDP averages gradients over ranks, and the trainer
 multiplies by ``world_size / total_sample_size`` (the total comes from the same
 single all-reduce that carries the logging stats). Any split of a global batch
 over ranks and micro-batches therefore yields the same update.
+
+Mixed precision (:mod:`hetfair.precision`) leaves that math alone: each process
+runs forward and loss under its own autocast, parameters and gradients stay fp32.
+When any rank runs fp16, every rank multiplies its summed loss by the job's loss
+scale ``S`` before backward, and the normalisation multiplies by
+``world_size / (total_sample_size * S)`` in one fused op that also flags inf/NaN.
+An overflow is seen identically on every rank (the gradients are all-reduced),
+so every rank skips that update: parameters, optimizer state, schedule and
+``num_updates`` stay as they were (as in fairseq), and ``S`` is halved.
 """
 
 from __future__ import annotations
@@ -23,11 +32,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetfair.distributed.context import DistributedContext
-from hetfair.distributed.stats import UpdateResult, is_summable, sum_logs, sync_stats
+from hetfair.distributed.stats import SyncedStats, UpdateResult, is_summable, sum_logs, sync_stats
 from hetfair.distributed.zero import ShardingConfig, build_optimizer, check_ranks_agree, full_state_dict
 from hetfair.errors import CheckpointError, ConfigError, DivergenceError, first_line
 from hetfair.models import HetfairModel
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY, LRScheduler
+from hetfair.precision import LossScaler, autocast
 from hetfair.utils import derived_seed, move_to_device, state_dict_mismatch
 
 
@@ -47,11 +57,13 @@ class TrainerConfig:
     """Shard parameters, gradients and optimizer state (``--ddp-backend fully_sharded``) instead of DDP."""
     reshard_after_forward: bool = True
     """With ``fully_sharded``: free each unit's gathered parameters after its forward."""
+    precision: str = "fp32"
+    """This process's forward/loss precision: fp32, bf16 or fp16 (under autocast)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainerConfig":
         return cls(args.seed, args.clip_norm, args.find_unused_parameters, args.optimizer, args.reset_optimizer,
-                   args.ddp_backend == "fully_sharded", not args.no_reshard_after_forward)
+                   args.ddp_backend == "fully_sharded", not args.no_reshard_after_forward, args.precision)
 
 
 class _ComputeClock:
@@ -82,8 +94,11 @@ class Trainer:
         dummy_batch: dict[str, Any],
         optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         lr_scheduler_factory: Callable[[torch.optim.Optimizer], LRScheduler],
+        loss_scaler: Optional[LossScaler] = None,
     ) -> None:
         self.config = config
+        self.loss_scaler = loss_scaler
+        """The job's loss scale (every rank holds one when any rank runs fp16), else ``None``."""
         self.context = context
         self.criterion = criterion.to(context.device)
         # fully sharded: shard first, then move only the shards (the whole model need not fit the device)
@@ -108,8 +123,10 @@ class Trainer:
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: nn.Module, criterion: nn.Module,
-                  context: DistributedContext, dummy_batch: dict[str, Any]) -> "Trainer":
-        """The trainer of ``args``: its ``--optimizer`` (sharded as ``--zero-sharding`` says) and ``--lr-scheduler``."""
+                  context: DistributedContext, dummy_batch: dict[str, Any],
+                  loss_scaler: Optional[LossScaler] = None) -> "Trainer":
+        """The trainer of ``args``: its ``--optimizer`` (sharded as ``--zero-sharding`` says), ``--lr-scheduler``
+        and ``--precision``, with the job's ``loss_scaler`` (see :func:`hetfair.precision.job_loss_scaler`)."""
         recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
         sharding = ShardingConfig.from_args(args)
         check_ranks_agree(sharding, context)  # before any collective that differs between the modes
@@ -117,6 +134,7 @@ class Trainer:
             TrainerConfig.from_args(args), model, criterion, context, dummy_batch,
             optimizer_factory=lambda params: build_optimizer(recipe, args, params, context, sharding),
             lr_scheduler_factory=lambda optimizer: LR_SCHEDULER_REGISTRY.get(args.lr_scheduler)(args, optimizer),
+            loss_scaler=loss_scaler,
         )
 
     # -- training --------------------------------------------------------------
@@ -138,9 +156,12 @@ class Trainer:
             _seed_rng(derived_seed(self.config.seed, self.num_updates, index, self.context.rank), self.context.device)
             batch = move_to_device(sample if sample is not None else self._dummy_batch, self.context.device)
             with self._gradient_sync(is_last):
-                loss, sample_size, logs = self.criterion(self.wrapped_model, batch)
+                with autocast(self.config.precision, self.context.device):
+                    loss, sample_size, logs = self.criterion(self.wrapped_model, batch)
                 if sample is None:
                     loss = loss * 0.0  # joins the gradient all-reduce with a zero gradient
+                if self.loss_scaler is not None:
+                    loss = loss * self.loss_scaler.scale
                 loss.backward()
             if sample is None:
                 # zeroed logs keep the key set identical on every rank for the packed all-reduce
@@ -161,10 +182,10 @@ class Trainer:
         if total_sample_size <= 0:
             return None
 
-        # 3. normalise by the global sample count (DDP / FSDP already divided by world size)
+        # 3. normalise by the global sample count (DDP / FSDP already divided by world size), undo the loss scale
         grads = [p.grad for p in self.params if p.grad is not None]
-        local_grads = self._fsdp.local_tensors(grads) if self._fsdp else grads  # this rank's shards
-        torch._foreach_mul_(local_grads, self.context.world_size / total_sample_size)
+        if self._normalise(grads, self.context.world_size / total_sample_size):
+            return self._skip(synced)
 
         # 4. clip by global norm (over all shards; replicated gradients are identical on all ranks)
         gnorm = self._clip_grad_norm(grads)
@@ -178,9 +199,43 @@ class Trainer:
         self.optimizer.step()
         self.num_updates += 1
         self.lr_scheduler.step_update(self.num_updates)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
         clip_norm = self.config.clip_norm
         return UpdateResult(synced.totals, synced.per_rank["samples"], synced.per_rank["compute_seconds"],
-                            lr=lr, gnorm=gnorm, clipped=clip_norm > 0 and gnorm > clip_norm)
+                            lr=lr, gnorm=gnorm, clipped=clip_norm > 0 and gnorm > clip_norm,
+                            loss_scale=self._loss_scale())
+
+    def _normalise(self, grads: list[torch.Tensor], factor: float) -> bool:
+        """Multiply the gradients by ``factor`` (and by ``1 / S`` when loss scaling); True on inf/NaN.
+
+        Without loss scaling there is nothing to check: the gradient norm's check
+        below reports a non-finite gradient as divergence. Fully sharded, each rank
+        holds other shards, so the ranks agree on an overflow in one small all-reduce.
+        """
+        local = self._fsdp.local_tensors(grads) if self._fsdp is not None else grads  # this rank's shards
+        if self.loss_scaler is None:
+            torch._foreach_mul_(local, factor)
+            return False
+        device = self.context.device
+        found_inf = torch.zeros(1, device=device)
+        inverse_scale = torch.full((1,), factor / self.loss_scaler.scale, device=device)
+        torch._amp_foreach_non_finite_check_and_unscale_(local, found_inf, inverse_scale)
+        if self._fsdp is not None:
+            torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
+        return bool(found_inf.item())
+
+    def _skip(self, synced: SyncedStats) -> UpdateResult:
+        """Drop an overflowed update on this rank (every rank does the same) and lower the loss scale."""
+        assert self.loss_scaler is not None
+        self.optimizer.zero_grad(set_to_none=True)
+        self.loss_scaler.update(overflow=True)
+        return UpdateResult(synced.totals, synced.per_rank["samples"], synced.per_rank["compute_seconds"],
+                            lr=self.optimizer.param_groups[0]["lr"], gnorm=0.0, clipped=False, skipped=True,
+                            loss_scale=self._loss_scale())
+
+    def _loss_scale(self) -> Optional[float]:
+        return None if self.loss_scaler is None else self.loss_scaler.scale
 
     def _joins_collectives(self, is_last: bool) -> bool:
         """Whether a micro-batch must run even without samples: it holds collectives the other ranks run.

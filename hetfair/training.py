@@ -23,6 +23,7 @@ from hetfair.logging.meters import IntervalStats, Stopwatch
 from hetfair.logging.progress import Progress, format_metric
 from hetfair.logging.tensorboard import TensorBoardLogger
 from hetfair.options import plain_config
+from hetfair.precision import LossScaleConfig, gather_precisions, job_loss_scaler
 from hetfair.rng import RngState, seed_everything
 from hetfair.run_state import BalancerPart, Position, TrainingClock
 from hetfair.tasks import TASK_REGISTRY, Task
@@ -79,8 +80,10 @@ class TrainingRun:
         self.train_data = self.task.dataset(args.train_subset)
         model = self.task.build_model(args)
         criterion = self.task.build_criterion(args)
+        self.precisions = gather_precisions(context, args.precision)
+        loss_scaler = job_loss_scaler(context, self.precisions, LossScaleConfig.from_args(args, context.world_size))
         self.trainer = Trainer.from_args(args, model, criterion, context,
-                                         dummy_batch(self.train_data, self.task.collater))
+                                         dummy_batch(self.train_data, self.task.collater), loss_scaler)
         self.caps = all_gather_ints(context, local_capacity(args, self.task, args.max_sentences))
         valid_caps = all_gather_ints(context, local_capacity(args, self.task,
                                                              args.max_sentences_valid or args.max_sentences))
@@ -108,6 +111,8 @@ class TrainingRun:
                                       "epoch_stats": self.epoch_stats}
         if self.balancer is not None:
             parts["balance"] = BalancerPart(self.balancer, self._notice)
+        if self.trainer.loss_scaler is not None:
+            parts["loss_scale"] = self.trainer.loss_scaler
         parts["rng"] = RngState()  # last: restoring the other parts must not disturb the generators
         return parts
 
@@ -151,8 +156,13 @@ class TrainingRun:
         self.interval.reset()  # a train_inner line never spans two epochs
         self.stopwatch.restart()
         for update in updates:
+            updates_before = self.trainer.num_updates
             self.train_update(update)
             end_of_epoch = self.position.samples_done >= len(self.train_data)
+            if self.trainer.num_updates == updates_before:  # skipped (fp16 overflow): nothing new is due
+                if end_of_epoch:
+                    break
+                continue
             stopping = self.should_stop()
             self.after_update(stopping, end_of_epoch)
             if end_of_epoch:
@@ -174,17 +184,19 @@ class TrainingRun:
         return list(self.balancer.split) if self.balancer is not None else None
 
     def train_update(self, update: Update) -> None:
-        """One update; its statistics go to the meters and the balancer (which may move the split)."""
+        """One update (or one skipped for an fp16 overflow: the data moves on either way); its
+        statistics go to the meters and the balancer (which may move the split)."""
         result = self.trainer.train_step(update.micro_batches)
         seconds = self.stopwatch.lap()
         self.position.samples_done += update.global_samples
         self.progress.step(len(update.micro_batches))
-        if self._shards_to_report:
+        if result is None:
+            return
+        if self._shards_to_report and not result.skipped:
             self._report_optimizer_shards()
-        if result is not None:
-            self.interval.add(result, seconds)
-            self.epoch_stats.add(result, seconds)
-            self._rebalance(result)
+        self.interval.add(result, seconds)
+        self.epoch_stats.add(result, seconds)
+        self._rebalance(result)
 
     def _rebalance(self, result: UpdateResult) -> None:
         """Show the balancer this update's per-rank timings and log a new split."""
@@ -319,10 +331,14 @@ class TrainingRun:
                                     "global_batch": self.global_batch_size, "train_samples": len(self.train_data)},
                           self.position.epoch, self.trainer.num_updates)
         caps = ", ".join(f"rank {r}: {c}" for r, c in enumerate(self.caps))
+        precisions = ", ".join(f"rank {r}: {p}" for r, p in enumerate(self.precisions))
+        scaler = self.trainer.loss_scaler
+        scaling = f" | loss scale {scaler.scale:g}" if scaler is not None else ""
         config_file = getattr(self.args, "config_file", None)  # e.g. BERT's config decides the size
         shape = f"config {config_file}" if config_file else f"arch {self.args.arch}"
         self.progress.info(f"setup | model {self.args.model} ({shape}) | task {self.args.task} | "
-                             f"per-rank batch {caps} | device {self.context.device}")
+                           f"per-rank batch {caps} | per-rank precision {precisions}{scaling} | "
+                           f"device {self.context.device}")
 
 
 def _every(interval: int, num_updates: int) -> bool:

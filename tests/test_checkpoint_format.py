@@ -33,6 +33,11 @@ def test_checkpoint_holds_the_documented_top_level_keys(tmp_path):
     balanced = load_checkpoint(tmp_path / "balanced" / "checkpoint_last.pt")
     assert set(balanced) == DOCUMENTED_KEYS | {"balance"}
 
+    assert train_main(toy_args(tmp_path / "fp16", "--max-update", "3", "--log-format", "none", "--fp16")) == 0
+    scaled = load_checkpoint(tmp_path / "fp16" / "checkpoint_last.pt")
+    assert set(scaled) == DOCUMENTED_KEYS | {"loss_scale"}
+    assert scaled["loss_scale"] == {"scale": 128.0, "clean_updates": 3}
+
 
 def as_format_1(state: dict[str, Any]) -> dict[str, Any]:
     """The layout hetfair 0.1 wrote: bare ``wall`` seconds, ``balance: None``, per-rank stats by string key."""

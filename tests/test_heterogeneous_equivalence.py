@@ -53,6 +53,14 @@ def test_cluster_shape_does_not_change_the_update(tmp_path, batch_sizes, update_
     assert_same(run_cluster(tmp_path, batch_sizes, update_freq, init), expected)
 
 
+def test_one_command_may_give_each_of_its_processes_its_own_batch_size(tmp_path):
+    save_dir = tmp_path / "ckpt"
+    args = toy_train_args(save_dir, 1) + ["--distributed-world-size", "3", "--max-sentences", "2,6,24"]
+    for result in run_nodes([args], cwd=tmp_path):
+        assert result.returncode == 0, result.stderr
+    assert_same(final_parameters(save_dir), reference_parameters(update_size=32))
+
+
 def test_gradient_clipping_uses_the_global_norm(tmp_path):
     clip = 0.05  # small enough that most updates are clipped
     expected = reference_parameters(update_size=32, clip_norm=clip)

@@ -17,7 +17,7 @@ class CrossEntropyCriterion(HetfairCriterion):
     """``loss = sum_i -log p(target_i)``; ``sample_size`` = number of samples."""
 
     def forward(self, model: nn.Module, sample: dict[str, Any]) -> tuple[torch.Tensor, int, LoggingOutput]:
-        logits = model(**sample["net_input"])
+        logits = model(**sample["net_input"]).float()  # softmax and loss in fp32, also under autocast
         target = sample["target"]
         loss = F.cross_entropy(logits, target, reduction="sum")
         correct = (logits.argmax(dim=-1) == target).sum()

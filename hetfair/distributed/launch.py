@@ -9,6 +9,10 @@ Modes, chosen from the options and the environment:
   ``--distributed-gpus`` processes with ranks from ``--distributed-rank`` on;
 * ``--distributed-world-size N`` alone: N local processes meeting on 127.0.0.1;
 * otherwise a single process without a process group.
+
+Options given per process (``--max-sentences 48,16``, see
+:mod:`hetfair.distributed.per_process`) must list one value per process started
+here; each process receives its own.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from hetfair.distributed.context import DistributedContext
+from hetfair.distributed.per_process import check_counts, for_process
 from hetfair.distributed.rendezvous import check_in, create_store
 from hetfair.distributed.slurm import first_host, in_slurm_job
 from hetfair.errors import ConfigError, DistributedError, HetfairError, first_line
@@ -99,8 +104,9 @@ def _free_port() -> int:
 
 
 def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
-    """Run ``train_fn`` in every process this command is responsible for."""
+    """Run ``train_fn`` in every process this command is responsible for, each with its own per-process values."""
     plan = plan_launch(args, os.environ)
+    check_counts(args, plan.nprocs)
     if plan.nprocs == 1:
         _run_process(0, args, plan, train_fn)
         return
@@ -126,6 +132,7 @@ def _spawned_process(index: int, args: argparse.Namespace, plan: LaunchPlan, tra
 
 
 def _run_process(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn: TrainFunction) -> None:
+    args = for_process(args, index)
     if args.user_dir:
         import_user_dir(args.user_dir)  # spawned processes start with a fresh interpreter
     context = _join_group(index, args, plan)

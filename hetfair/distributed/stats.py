@@ -15,7 +15,7 @@ from __future__ import annotations
 import zlib
 from dataclasses import dataclass
 from numbers import Number
-from typing import Any, Mapping
+from typing import Any, Mapping, Optional
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,10 @@ class UpdateResult:
     lr: float
     gnorm: float
     clipped: bool
+    skipped: bool = False
+    """The gradients overflowed: the update was not applied (fp16 loss scaling)."""
+    loss_scale: Optional[float] = None
+    """The job's loss scale after this update (``None``: no rank runs fp16)."""
 
 
 @dataclass

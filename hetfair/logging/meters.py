@@ -26,6 +26,11 @@ class IntervalStats:
     The seconds behind ``ups`` and ``wps`` are the updates' own (data loading
     included), as the loop passes them to :meth:`add`: validation and checkpoint
     writing between updates do not count.
+
+    With loss scaling (any rank in fp16) also ``loss_scale`` (the job's scale after
+    the interval's last update) and ``skipped`` (updates dropped for an overflow).
+    A skipped update counts only there: its loss, gradient norm and throughput
+    belong to no applied update.
     """
 
     def __init__(self, reduce_metrics: ReduceMetrics) -> None:
@@ -42,10 +47,16 @@ class IntervalStats:
         self.clipped = 0
         self.lr = 0.0
         self.seconds = 0.0
+        self.skipped = 0
+        self.loss_scale: Optional[float] = None
 
     def add(self, result: UpdateResult, seconds: float) -> None:
-        """Count one update that took ``seconds`` of wall time."""
+        """Count one update that took ``seconds`` of wall time (a skipped one only as skipped)."""
         self.seconds += seconds
+        self.loss_scale = result.loss_scale
+        if result.skipped:
+            self.skipped += 1
+            return
         sum_logs(self.totals, result.totals)
         self.samples = _add(self.samples, result.samples)
         self.compute_seconds = _add(self.compute_seconds, result.compute_seconds)
@@ -57,8 +68,9 @@ class IntervalStats:
 
     def metrics(self) -> dict[str, float]:
         """The metrics of the interval so far (empty when no update happened)."""
+        scaling = {} if self.loss_scale is None else {"loss_scale": self.loss_scale, "skipped": float(self.skipped)}
         if self.updates == 0:
-            return {}
+            return scaling
         elapsed = max(self.seconds, 1e-9)
         metrics = dict(self.reduce_metrics(self.totals))
         metrics.update(
@@ -77,6 +89,7 @@ class IntervalStats:
         total_speed = sum(count / busy for count, busy in zip(samples, seconds) if busy > 0)
         if total_speed > 0 and self.slowest_seconds > 0:
             metrics["balance_eff"] = total_samples / total_speed / self.slowest_seconds
+        metrics.update(scaling)
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
@@ -84,7 +97,7 @@ class IntervalStats:
         return {"totals": dict(self.totals), "samples": list(self.samples),
                 "compute_seconds": list(self.compute_seconds), "slowest_seconds": self.slowest_seconds,
                 "updates": self.updates, "gnorm_sum": self.gnorm_sum, "clipped": self.clipped, "lr": self.lr,
-                "seconds": self.seconds}
+                "seconds": self.seconds, "skipped": self.skipped, "loss_scale": self.loss_scale}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.reset()
@@ -97,6 +110,8 @@ class IntervalStats:
         self.clipped = state["clipped"]
         self.lr = state["lr"]
         self.seconds = float(state.get("seconds", 0.0))  # older checkpoints lack it
+        self.skipped = int(state.get("skipped", 0))  # absent from checkpoints written before loss scaling
+        self.loss_scale = state.get("loss_scale")
 
 
 class Stopwatch:

@@ -1,0 +1,66 @@
+"""Options with one value per local process of a command, e.g. ``--max-sentences 48,16``.
+
+One command may start several processes (``--distributed-gpus N``, or
+``--distributed-world-size N`` on one node). Each option of
+:data:`PER_PROCESS_OPTIONS` takes either one value, which every process of the
+command uses, or a comma-separated list of exactly one value per process, in the
+order of their ranks. :func:`parse_per_process` reads the text (one value stays
+a plain value, a list becomes a tuple); the launcher refuses a list of the wrong
+length before it starts anything (:func:`check_counts`) and gives each process
+the options with its own values (:func:`for_process`).
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any, Callable, TypeVar, Union
+
+from hetfair.errors import ConfigError
+
+T = TypeVar("T")
+
+PER_PROCESS_OPTIONS: tuple[str, ...] = ("max_sentences", "max_tokens", "precision")
+"""The ``args`` attributes that may hold one value per local process."""
+
+
+def flag_of(dest: str) -> str:
+    """The command-line flag of an ``args`` attribute: ``max_sentences`` -> ``--max-sentences``."""
+    return "--" + dest.replace("_", "-")
+
+
+def parse_per_process(text: str, convert: Callable[[str], T], dest: str) -> Union[T, tuple[T, ...]]:
+    """``"48"`` -> ``48``; ``"48,16"`` -> ``(48, 16)``, each item read by ``convert``.
+
+    ``convert`` raises :class:`ValueError` with a message for an item it cannot read;
+    that becomes a :class:`ConfigError` naming the flag.
+    """
+    try:
+        values = tuple(convert(item.strip()) for item in text.split(","))
+    except ValueError as exc:
+        raise ConfigError(f"{flag_of(dest)} {text}: {exc}; give one value for every process of this command "
+                          f"or one per process, like 'A' or 'A,B'") from None
+    return values[0] if len(values) == 1 else values
+
+
+def values_of(value: Any) -> tuple[Any, ...]:
+    """Every value an option holds: the items of a per-process list, or the one value."""
+    return value if isinstance(value, tuple) else (value,)
+
+
+def check_counts(args: argparse.Namespace, nprocs: int) -> None:
+    """Refuse a per-process list whose length is not the number of processes this command starts."""
+    for dest in PER_PROCESS_OPTIONS:
+        value = getattr(args, dest, None)
+        if isinstance(value, tuple) and len(value) != nprocs:
+            starts = f"{nprocs} process" + ("es" if nprocs != 1 else "")
+            raise ConfigError(
+                f"{flag_of(dest)} {','.join(map(str, value))} gives {len(value)} values but this command starts "
+                f"{starts}; give one value for all of them or one per process"
+            )
+
+
+def for_process(args: argparse.Namespace, index: int) -> argparse.Namespace:
+    """``args`` as local process ``index`` sees them: each per-process list replaced by its own value."""
+    own = {dest: value[index] for dest in PER_PROCESS_OPTIONS
+           if isinstance(value := getattr(args, dest, None), tuple)}
+    return argparse.Namespace(**{**vars(args), **own}) if own else args
