@@ -32,6 +32,7 @@ from typing import Any, Callable, Mapping, Optional, Protocol
 import torch
 
 from hetfair.errors import CheckpointError, ConfigError, first_line
+from hetfair.utils import check_output_dir
 
 FORMAT_VERSION = 2
 TRAINER = "trainer"
@@ -165,6 +166,14 @@ class CheckpointConfig:
         return cls(Path(args.save_dir), args.restore_file, args.no_save, args.save_interval,
                    args.save_interval_updates, args.keep_interval_updates, args.keep_last_epochs,
                    args.no_epoch_checkpoints, args.maximize_best_checkpoint_metric)
+
+    def check_paths(self) -> None:
+        """Fail at start-up when checkpoints could not be written or the named restore file is missing."""
+        if not self.no_save:
+            check_output_dir("--save-dir", self.save_dir)
+        path = self.restore_path()
+        if self.restore_file != DEFAULT_RESTORE_FILE and not path.is_file():
+            raise ConfigError(f"--restore-file {path} does not exist")
 
     def restore_path(self) -> Path:
         path = Path(self.restore_file)

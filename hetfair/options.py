@@ -12,9 +12,11 @@ Library code never reads ``sys.argv``: the console scripts pass ``argv`` in.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any, Sequence
 
 from hetfair.criteria import CRITERION_REGISTRY
+from hetfair.distributed.zero import parse_shard_weights
 from hetfair.errors import ConfigError
 from hetfair.models import MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
@@ -79,7 +81,7 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
 
 def add_optimization_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("optimization")
-    group.add_argument("--max-epoch", type=int, default=0, metavar="N", help="stop after N epochs (0: no limit)")
+    group.add_argument("--max-epoch", type=int, default=0, metavar="N", help="stop after N epochs (0: no limit; --max-epoch or --max-update needs a limit)")
     group.add_argument("--max-update", type=int, default=0, metavar="N", help="stop after N updates (0: no limit)")
     group.add_argument("--update-freq", type=int, default=1, metavar="N",
                        help="accumulate N micro-batches per update (gradient sync on the last only)")
@@ -229,23 +231,55 @@ def parse_train_args(argv: Sequence[str]) -> argparse.Namespace:
     return args
 
 
+# The smallest value each integer option accepts (a value of None means "not given").
+_INT_MINIMUM = {
+    "max_sentences": 1, "max_tokens": 1, "max_sentences_valid": 1, "update_freq": 1, "global_batch_size": 1,
+    "distributed_world_size": 1, "distributed_gpus": 1, "balance_interval": 1, "log_interval": 1,
+    "validate_interval": 1, "save_interval": 1,
+    "max_epoch": 0, "max_update": 0, "validate_interval_updates": 0, "save_interval_updates": 0,
+    "warmup_updates": 0, "num_workers": 0, "seed": 0, "distributed_rank": 0, "device_id": 0,
+    "distributed_port": 0, "balance_warmup_updates": 0,
+    "keep_interval_updates": -1, "keep_last_epochs": -1,
+}
+_INT_MAXIMUM = {"seed": 2**63 - 1, "distributed_port": 65535}
+_FLOAT_MINIMUM = {"lr": 0.0, "weight_decay": 0.0, "clip_norm": 0.0}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def validate_args(args: argparse.Namespace) -> None:
-    """Cross-option checks that argparse cannot express."""
+    """Every core option checked at start-up, before any compute or process is started.
+
+    Checks that need the file system (save directory, TensorBoard directory, restore file)
+    are :func:`hetfair.training.check_paths`; the ranks' agreement is checked when they meet.
+    """
     if args.max_sentences is None and args.max_tokens is None:
         raise ConfigError("give a batch size: --max-sentences N (samples per process) or --max-tokens N")
-    for name in ("max_sentences", "max_tokens", "update_freq", "distributed_world_size", "global_batch_size",
-                 "balance_interval"):
+    for name, minimum in _INT_MINIMUM.items():
         value = getattr(args, name)
-        if value is not None and value < 1:
-            raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.balance_warmup_updates < 0:
-        raise ConfigError(f"--balance-warmup-updates must not be negative, got {args.balance_warmup_updates}")
+        if value is not None and value < minimum:
+            raise ConfigError(f"{_flag(name)} must be at least {minimum}, got {value}")
+        if value is not None and name in _INT_MAXIMUM and value > _INT_MAXIMUM[name]:
+            raise ConfigError(f"{_flag(name)} must be at most {_INT_MAXIMUM[name]}, got {value}")
+    for name, minimum in _FLOAT_MINIMUM.items():
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= minimum):
+            raise ConfigError(f"{_flag(name)} must be a finite number of at least {minimum:g}, got {value}")
+    if not (math.isfinite(args.distributed_timeout) and args.distributed_timeout > 0):
+        raise ConfigError(f"--distributed-timeout must be a positive number of seconds, got {args.distributed_timeout}")
+    if not args.max_epoch and not args.max_update:
+        raise ConfigError("training would never end: give --max-epoch N or --max-update N "
+                          "(0 means no limit on that count; one of them needs a limit)")
     if not 0 < args.balance_smoothing <= 1:
         raise ConfigError(f"--balance-smoothing must be in (0, 1], got {args.balance_smoothing}")
     if not 0 <= args.balance_threshold < 1:
         raise ConfigError(f"--balance-threshold must be in [0, 1), got {args.balance_threshold}")
-    if args.zero_shard_weights is not None and args.zero_sharding != "os":
-        raise ConfigError("--zero-shard-weights needs --zero-sharding os")
+    if args.zero_shard_weights is not None:
+        if args.zero_sharding != "os":
+            raise ConfigError("--zero-shard-weights needs --zero-sharding os")
+        parse_shard_weights(args.zero_shard_weights)
 
 
 def plain_config(args: argparse.Namespace) -> dict[str, Any]:

@@ -25,6 +25,7 @@ from hetfair.rng import RngState, seed_everything
 from hetfair.run_state import BalancerPart, Position, TrainingClock
 from hetfair.tasks import TASK_REGISTRY, Task
 from hetfair.trainer import Trainer
+from hetfair.utils import check_output_dir
 from hetfair.validation import Validator
 
 
@@ -51,6 +52,13 @@ def global_batch_size(args: argparse.Namespace, caps: list[int]) -> int:
         raise ConfigError(f"--auto-balance needs a --global-batch-size of at least one sample per process "
                           f"({len(caps)})")
     return size
+
+
+def check_paths(args: argparse.Namespace) -> None:
+    """The start-up checks that need the file system; run before any process is started."""
+    CheckpointConfig.from_args(args).check_paths()
+    if args.tensorboard_logdir:
+        check_output_dir("--tensorboard-logdir", args.tensorboard_logdir)
 
 
 def train(args: argparse.Namespace, context: DistributedContext) -> None:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+from hetfair.errors import ConfigError
 
 
 def move_to_device(sample: Any, device: torch.device) -> Any:
@@ -23,3 +27,17 @@ def derived_seed(*parts: int) -> int:
     """A 63-bit seed that depends on every part (e.g. seed, update, micro-batch, rank)."""
     return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32).view(np.uint64)[0]
                >> np.uint64(1))
+
+
+def check_output_dir(flag: str, path: str | Path) -> None:
+    """Fail now, not after an epoch, when ``path`` cannot be (created and) written as a directory."""
+    target = Path(path).expanduser()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is not a directory" if existing == target else f"cannot be created: {existing} is not a directory"
+        raise ConfigError(f"{flag} {path} {where}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "is not writable" if existing == target else f"cannot be created: {existing} is not writable"
+        raise ConfigError(f"{flag} {path} {where}")

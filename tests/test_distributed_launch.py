@@ -132,7 +132,7 @@ def _wait_for_line(proc: subprocess.Popen, marker: str, within: float) -> None:
 
 def test_spawned_process_failure_ends_the_command(tmp_path):
     """A user error inside spawned workers: one message per rank, non-zero exit, no hang."""
-    args = ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--distributed-world-size", "2",
+    args = ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--distributed-world-size", "2", "--max-epoch", "1",
             "--save-dir", str(tmp_path / "c"), "--max-tokens", "100", "--log-format", "none"]
     [result] = run_nodes([args], cwd=tmp_path, timeout=120)
     assert result.returncode != 0

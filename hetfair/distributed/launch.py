@@ -28,6 +28,7 @@ import torch.multiprocessing as mp
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.rendezvous import check_in, create_store
 from hetfair.distributed.slurm import first_host, in_slurm_job
+from hetfair.distributed.zero import ShardingConfig, check_sharding
 from hetfair.errors import ConfigError, DistributedError, HetfairError, first_line
 from hetfair.plugins import import_user_dir
 
@@ -101,6 +102,7 @@ def _free_port() -> int:
 def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
     """Run ``train_fn`` in every process this command is responsible for."""
     plan = plan_launch(args, os.environ)
+    check_sharding(ShardingConfig.from_args(args), plan.world_size)
     if plan.nprocs == 1:
         _run_process(0, args, plan, train_fn)
         return
