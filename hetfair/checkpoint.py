@@ -25,6 +25,7 @@ import os
 import re
 import shutil
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Mapping, Optional, Protocol
@@ -116,6 +117,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     """
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path} is not a hetfair checkpoint: not a torch.save archive (corrupt, truncated "
+                              f"or another kind of file)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file

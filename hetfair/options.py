@@ -22,6 +22,7 @@ from hetfair.models import MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.plugins import import_user_dir
 from hetfair.tasks import TASK_REGISTRY
+from hetfair.utils import absolute_path
 
 LOG_FORMATS = ("tqdm", "simple", "json", "none")
 
@@ -32,7 +33,8 @@ def _known(registry_names: list[str]) -> str:
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("common")
-    group.add_argument("--user-dir", metavar="DIR", help="import DIR as a Python package of plugins")
+    group.add_argument("--user-dir", metavar="DIR", type=absolute_path,
+                       help="import DIR as a Python package of plugins")
     group.add_argument("--list-plugins", action="store_true",
                        help="list every registered component and where it comes from, then exit")
     group.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -41,7 +43,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-interval", type=int, default=100, metavar="N", help="log every N updates")
     group.add_argument("--log-format", choices=LOG_FORMATS, default=None,
                        help="progress output (default: tqdm on a terminal, simple otherwise)")
-    group.add_argument("--tensorboard-logdir", metavar="DIR", help="write TensorBoard scalars to DIR")
+    group.add_argument("--tensorboard-logdir", metavar="DIR", type=absolute_path,
+                       help="write TensorBoard scalars to DIR")
 
 
 def add_component_args(parser: argparse.ArgumentParser) -> None:
@@ -59,7 +62,7 @@ def add_component_args(parser: argparse.ArgumentParser) -> None:
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset and batching")
-    group.add_argument("--data", metavar="DIR", help="data directory of the task")
+    group.add_argument("--data", metavar="DIR", type=absolute_path, help="data directory of the task")
     group.add_argument("--max-sentences", "--batch-size", type=int, metavar="N", dest="max_sentences",
                        help="samples per process and micro-batch (may differ between nodes)")
     group.add_argument("--max-tokens", type=int, metavar="N",
@@ -81,7 +84,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
 
 def add_optimization_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("optimization")
-    group.add_argument("--max-epoch", type=int, default=0, metavar="N", help="stop after N epochs (0: no limit; --max-epoch or --max-update needs a limit)")
+    group.add_argument("--max-epoch", type=int, default=0, metavar="N",
+                       help="stop after N epochs (0: no limit; --max-epoch or --max-update must set one)")
     group.add_argument("--max-update", type=int, default=0, metavar="N", help="stop after N updates (0: no limit)")
     group.add_argument("--update-freq", type=int, default=1, metavar="N",
                        help="accumulate N micro-batches per update (gradient sync on the last only)")
@@ -95,7 +99,8 @@ def add_optimization_args(parser: argparse.ArgumentParser) -> None:
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("checkpoints")
-    group.add_argument("--save-dir", default="checkpoints", metavar="DIR", help="where checkpoints go")
+    group.add_argument("--save-dir", default="checkpoints", metavar="DIR", type=absolute_path,
+                       help="where checkpoints go")
     group.add_argument("--restore-file", default="checkpoint_last.pt", metavar="FILE",
                        help="checkpoint to resume from (relative to --save-dir unless absolute)")
     group.add_argument("--no-save", action="store_true", help="write no checkpoints")
@@ -214,21 +219,41 @@ def parse_train_args(argv: Sequence[str]) -> argparse.Namespace:
     task_cls = TASK_REGISTRY.get(early.task)
     _set_defaults(parser, task_cls.option_defaults, f"task '{early.task}'")
     chosen, _ = parser.parse_known_args(probe_argv)
-    if chosen.arch is None:
-        raise ConfigError(f"task '{early.task}' has no default --arch; choose one of: {_known(arch_names())}")
-    model_name, arch_defaults = resolve_arch(chosen.arch)
+    model_name = add_chosen_components(parser, chosen)
+    args = parser.parse_args(argv)
+    args.model = model_name
+    validate_args(args)
+    return args
 
-    _add_component_flags(parser, f"task '{early.task}'", task_cls)
+
+def add_chosen_components(parser: argparse.ArgumentParser, chosen: argparse.Namespace) -> str:
+    """Add the flags and defaults of the task, arch, criterion, optimizer and scheduler ``chosen`` names.
+
+    Returns the model that ``chosen.arch`` belongs to.
+    """
+    if chosen.arch is None:
+        raise ConfigError(f"task '{chosen.task}' has no default --arch; choose one of: {_known(arch_names())}")
+    model_name, arch_defaults = resolve_arch(chosen.arch)
+    _add_component_flags(parser, f"task '{chosen.task}'", TASK_REGISTRY.get(chosen.task))
     _add_component_flags(parser, f"model '{model_name}'", MODEL_REGISTRY.get(model_name))
     _add_component_flags(parser, f"criterion '{chosen.criterion}'", CRITERION_REGISTRY.get(chosen.criterion))
     _add_component_flags(parser, f"optimizer '{chosen.optimizer}'", OPTIMIZER_REGISTRY.get(chosen.optimizer))
     _add_component_flags(parser, f"lr scheduler '{chosen.lr_scheduler}'",
                          LR_SCHEDULER_REGISTRY.get(chosen.lr_scheduler))
     _set_defaults(parser, arch_defaults, f"architecture '{chosen.arch}'")
-    args = parser.parse_args(argv)
-    args.model = model_name
-    validate_args(args)
-    return args
+    return model_name
+
+
+def stored_options(config: dict[str, Any]) -> argparse.Namespace:
+    """Options stored in a checkpoint, completed with the defaults of the components they name.
+
+    An option the checkpoint lacks (an older hetfair, a hand-edited arch) takes its default
+    instead of being missing when the model is built; the model is the one of the stored arch.
+    """
+    parser = build_parser()
+    _set_defaults(parser, TASK_REGISTRY.get(config["task"]).option_defaults, f"task '{config['task']}'")
+    model_name = add_chosen_components(parser, argparse.Namespace(**{**vars(parser.parse_args([])), **config}))
+    return argparse.Namespace(**{**vars(parser.parse_args([])), **config, "model": model_name})
 
 
 # The smallest value each integer option accepts (a value of None means "not given").

@@ -29,6 +29,11 @@ def derived_seed(*parts: int) -> int:
                >> np.uint64(1))
 
 
+def absolute_path(text: str) -> str:
+    """An argparse ``type`` for paths: stored absolute, so a checkpoint's options work from any directory."""
+    return os.path.abspath(os.path.expanduser(text))
+
+
 def check_output_dir(flag: str, path: str | Path) -> None:
     """Fail now, not after an epoch, when ``path`` cannot be (created and) written as a directory."""
     target = Path(path).expanduser()

@@ -7,7 +7,9 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from hetfair.errors import ConfigError
 from hetfair.evaluate import evaluate_checkpoint
+from hetfair.utils import absolute_path
 from hetfair_cli.errors import run_cli
 
 
@@ -15,8 +17,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hetfair-validate", description=__doc__, allow_abbrev=False)
     parser.add_argument("--path", required=True, help="checkpoint file written by hetfair-train")
     parser.add_argument("--valid-subset", default="valid", help="comma-separated splits to evaluate")
-    parser.add_argument("--data", help="data directory (default: the one used in training)")
-    parser.add_argument("--user-dir", help="plugin package (default: the one used in training)")
+    parser.add_argument("--data", type=absolute_path, help="data directory (default: the one used in training)")
+    parser.add_argument("--user-dir", type=absolute_path,
+                        help="plugin package to import (a checkpoint's own --user-dir is never imported)")
     parser.add_argument("--max-sentences", "--batch-size", type=int, dest="max_sentences_valid",
                         help="batch size for evaluation")
     parser.add_argument("--num-workers", type=int, help="DataLoader worker processes")
@@ -28,6 +31,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    if args.max_sentences_valid is not None and args.max_sentences_valid < 1:
+        raise ConfigError(f"--max-sentences must be at least 1, got {args.max_sentences_valid}")
+    if args.num_workers is not None and args.num_workers < 0:
+        raise ConfigError(f"--num-workers must be at least 0, got {args.num_workers}")
     overrides = {"data": args.data, "user_dir": args.user_dir, "max_sentences_valid": args.max_sentences_valid,
                  "num_workers": args.num_workers, "cpu": args.cpu}
     for subset in args.valid_subset.split(","):
