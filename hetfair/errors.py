@@ -49,6 +49,12 @@ class DivergenceError(HetfairError):
     """Training produced non-finite gradients."""
 
 
+class Interrupted(HetfairError):
+    """The user stopped the run (Ctrl-C or SIGTERM) at a point worth reporting, e.g. during a save."""
+
+    exit_code = 130
+
+
 def first_line(exc: BaseException) -> str:
     """The first line of an exception's message (its type name when empty), for one-line errors."""
     lines = str(exc).strip().splitlines()

@@ -140,7 +140,7 @@ def test_incompatible_checkpoint_is_one_clear_error(tmp_path):
 
 
 def test_missing_restore_file_is_one_clear_error(tmp_path, capsys):
-    code = train_main(toy_args(tmp_path / "c", "--restore-file", "nope.pt"))
+    code = train_main(toy_args(tmp_path / "c", "--max-epoch", "1", "--restore-file", "nope.pt"))
     err = capsys.readouterr().err
     assert code == 2 and "nope.pt" in err
 
