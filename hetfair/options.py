@@ -136,6 +136,9 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                        help="collective backend (default: nccl on GPUs, gloo on CPU)")
     group.add_argument("--distributed-port", type=int, default=0, metavar="PORT",
                        help="port for SLURM rendezvous")
+    group.add_argument("--distributed-secret", metavar="SECRET",
+                       help="shared secret that signs the ranks' check-in (default: $HETFAIR_SECRET; needed "
+                            "when the rendezvous is reachable from other machines; never stored in checkpoints)")
     group.add_argument("--distributed-timeout", type=float, default=600.0, metavar="SECONDS",
                        help="give up when a rank is lost or a collective stalls this long")
     group.add_argument("--fast-stat-sync", action="store_true",
@@ -307,10 +310,15 @@ def validate_args(args: argparse.Namespace) -> None:
         parse_shard_weights(args.zero_shard_weights)
 
 
+_NEVER_STORED = ("distributed_secret",)
+
+
 def plain_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The options as plain data (numbers, strings, lists), safe to store in checkpoints."""
+    """The options as plain data (numbers, strings, lists), safe to store in checkpoints (no secrets)."""
     plain: dict[str, Any] = {}
     for key, value in vars(args).items():
+        if key in _NEVER_STORED:
+            continue
         if value is None or isinstance(value, (bool, int, float, str)):
             plain[key] = value
         elif isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):

@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from hetfair.errors import HetfairError
+from hetfair.errors import HetfairError, Interrupted
 
 
 def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[str] | None) -> int:
@@ -21,7 +21,8 @@ def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[s
         if "--debug" in args or os.environ.get("HETFAIR_DEBUG") == "1":
             raise
         message = str(exc).replace("\n", " ")
-        print(f"{prog}: error: {message}", file=sys.stderr)
+        kind = "" if isinstance(exc, Interrupted) else "error: "  # stopping on request is no error
+        print(f"{prog}: {kind}{message}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

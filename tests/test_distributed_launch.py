@@ -143,7 +143,7 @@ def test_spawned_process_failure_ends_the_command(tmp_path):
 def test_rank_beyond_the_world_is_a_clear_error(tmp_path):
     args = ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--distributed-world-size", "4",
             "--distributed-rank", "3", "--distributed-gpus", "2", "--distributed-init-method",
-            f"file://{tmp_path / 'rdv'}", "--save-dir", str(tmp_path / "c")]
+            f"file://{tmp_path / 'rdv'}", "--save-dir", str(tmp_path / "c"), "--max-epoch", "1"]
     [result] = run_nodes([args], cwd=Path(tmp_path), timeout=60)
     assert result.returncode == 2
     assert "ranks 3..4" in result.stderr and "Traceback" not in result.stderr
