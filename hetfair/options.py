@@ -280,8 +280,8 @@ def _flag(name: str) -> str:
 def validate_args(args: argparse.Namespace) -> None:
     """Every core option checked at start-up, before any compute or process is started.
 
-    Checks that need the file system (save directory, TensorBoard directory, restore file)
-    are :func:`hetfair.training.check_paths`; the ranks' agreement is checked when they meet.
+    What a run needs beyond valid values (an end, writable directories, the restore file) is
+    :func:`hetfair.training.check_before_start`; the ranks' agreement is checked when they meet.
     """
     if args.max_sentences is None and args.max_tokens is None:
         raise ConfigError("give a batch size: --max-sentences N (samples per process) or --max-tokens N")
@@ -297,9 +297,6 @@ def validate_args(args: argparse.Namespace) -> None:
             raise ConfigError(f"{_flag(name)} must be a finite number of at least {minimum:g}, got {value}")
     if not (math.isfinite(args.distributed_timeout) and args.distributed_timeout > 0):
         raise ConfigError(f"--distributed-timeout must be a positive number of seconds, got {args.distributed_timeout}")
-    if not args.max_epoch and not args.max_update:
-        raise ConfigError("training would never end: give --max-epoch N or --max-update N "
-                          "(0 means no limit on that count; one of them needs a limit)")
     if not 0 < args.balance_smoothing <= 1:
         raise ConfigError(f"--balance-smoothing must be in (0, 1], got {args.balance_smoothing}")
     if not 0 <= args.balance_threshold < 1:

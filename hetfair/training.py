@@ -54,8 +54,16 @@ def global_batch_size(args: argparse.Namespace, caps: list[int]) -> int:
     return size
 
 
-def check_paths(args: argparse.Namespace) -> None:
-    """The start-up checks that need the file system; run before any process is started."""
+def check_before_start(args: argparse.Namespace) -> None:
+    """What this run needs beyond valid option values; checked before any process is started.
+
+    A run must end (``--max-epoch`` or ``--max-update``: 0 means no limit on that count, and
+    both unlimited is refused rather than training forever), its checkpoint and TensorBoard
+    directories must be writable and a named ``--restore-file`` must exist.
+    """
+    if not args.max_epoch and not args.max_update:
+        raise ConfigError("training would never end: give --max-epoch N or --max-update N "
+                          "(0 means no limit on that count; one of them needs a limit)")
     CheckpointConfig.from_args(args).check_paths()
     if args.tensorboard_logdir:
         check_output_dir("--tensorboard-logdir", args.tensorboard_logdir)

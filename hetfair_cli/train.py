@@ -15,9 +15,9 @@ def _main(argv: list[str]) -> int:
         print(describe_plugins())
         return 0
     from hetfair.distributed.launch import launch
-    from hetfair.training import check_paths, train
+    from hetfair.training import check_before_start, train
 
-    check_paths(args)
+    check_before_start(args)
     launch(args, train)
     return 0
 

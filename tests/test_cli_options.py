@@ -55,8 +55,7 @@ def user_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
 
 
 def parse(user_dir: str, *argv: str, task: str = "clitest_task"):
-    # a run needs an end (--max-epoch or --max-update); argv may override it
-    return parse_train_args(["--user-dir", user_dir, "--task", task, "--max-epoch", "1", *argv])
+    return parse_train_args(["--user-dir", user_dir, "--task", task, *argv])
 
 
 def run_main(capsys: pytest.CaptureFixture, *argv: str) -> tuple[int, str, str]:

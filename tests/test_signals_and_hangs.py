@@ -7,6 +7,7 @@ Real processes, real signals, real sockets on 127.0.0.1. Time bounds are the iss
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -60,6 +61,38 @@ def test_a_signal_to_the_launcher_stops_every_worker_with_one_line(tmp_path, sig
     assert launcher.returncode == exit_code
     name = signal.Signals(signum).name
     assert err.strip().splitlines() == [f"hetfair-train: interrupted by {name}; stopped all 3 worker processes"]
+
+
+def test_a_crashed_worker_stops_the_others_with_one_line(tmp_path):
+    launcher = start(long_run(tmp_path, "--distributed-world-size", "3"), tmp_path)
+    try:
+        wait_for_line(launcher, "train_inner", within=240)
+        workers = worker_pids(launcher.pid)
+        os.kill(workers[1], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert not [pid for pid in workers if is_running(pid)]
+    assert launcher.returncode == 1
+    [line] = err.strip().splitlines()
+    assert re.fullmatch(r"hetfair-train: error: the process of rank [0-2] was killed by signal SIGKILL; "
+                        r"the others were stopped", line), line
+
+
+def test_sigterm_to_a_single_process_run_is_one_line(tmp_path):
+    proc = start(long_run(tmp_path), tmp_path)
+    try:
+        wait_for_line(proc, "train_inner", within=240)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "hetfair-train: interrupted"
+    assert "Traceback" not in err
+    assert not [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.endswith(".tmp")]
 
 
 def test_workers_stop_when_their_launcher_is_killed(tmp_path):

@@ -168,12 +168,12 @@ def run_workers(count: int, first_rank: int, target: Callable[..., None], target
                         args=(i, first_rank + i, pipes[i][1], os.getpid(), target, target_args))
         for i in range(count)
     ]
+    watch = _Watch(processes, [reader for reader, _ in pipes], first_rank)
     with _stop_signals() as received:
-        _start(processes)
-        for _, writer in pipes:
-            writer.close()  # the workers hold their ends
-        watch = _Watch(processes, [reader for reader, _ in pipes], first_rank)
         try:
+            _start(processes)
+            for _, writer in pipes:
+                writer.close()  # the workers hold their ends: a dead worker's pipe ends
             watch.until_done_or_failed(received)
         finally:
             stop(processes)
@@ -217,16 +217,17 @@ def _start(processes: Sequence[mp.process.BaseProcess]) -> None:
 
 def stop(processes: Sequence[mp.process.BaseProcess], grace: float = STOP_GRACE_SECONDS) -> None:
     """SIGTERM every live worker, SIGKILL those still alive after ``grace`` seconds, reap all."""
-    for process in processes:
-        if process.exitcode is None and process.pid is not None:
+    started = [process for process in processes if process.pid is not None]
+    for process in started:
+        if process.exitcode is None:
             _signal(process.pid, signal.SIGTERM)
     end = time.monotonic() + grace
-    for process in processes:
+    for process in started:
         process.join(max(0.0, end - time.monotonic()))
-    for process in processes:
-        if process.exitcode is None and process.pid is not None:
+    for process in started:
+        if process.exitcode is None:
             _signal(process.pid, signal.SIGKILL)
-    for process in processes:
+    for process in started:
         process.join()
 
 
