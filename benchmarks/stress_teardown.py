@@ -63,7 +63,8 @@ def main() -> None:
         outcome, seconds, stderr = run_once(args.ranks, args.timeout)
         counts[outcome] += 1
         durations.append(seconds)
-        line = f"run {run}/{args.runs}: {outcome} in {seconds:.1f}s | " + " ".join(f"{k} {v}" for k, v in counts.items())
+        tally = " ".join(f"{k} {v}" for k, v in counts.items())
+        line = f"run {run}/{args.runs}: {outcome} in {seconds:.1f}s | {tally}"
         print(line, flush=True)
         if args.log is not None:
             with args.log.open("a") as log:

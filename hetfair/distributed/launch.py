@@ -180,18 +180,21 @@ def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan) -> Distr
     assert plan.init_method is not None
     if plan.local_only and backend == "gloo":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # unreachable from other machines
-    stalled = (f"rank {rank} got no answer from the rendezvous {plan.init_method} within {timeout:.0f}s; check "
-               f"that it is rank 0's address and that no other program listens there")
-    with deadline(timeout + _RENDEZVOUS_GRACE_SECONDS, stalled):
-        if plan.use_env_store:
+    pg_timeout = timedelta(seconds=timeout)
+    limit = timeout + _RENDEZVOUS_GRACE_SECONDS  # the waits inside end first; these deadlines catch C++ hangs
+    if plan.use_env_store:
+        with deadline(limit, f"rank {rank} could not join the process group through env:// within {timeout:.0f}s"):
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=plan.world_size,
-                                    timeout=timedelta(seconds=timeout))
-        else:
-            address = parse_init_method(plan.init_method, os.environ)
-            store = create_store(address, rank, plan.world_size, timeout)
-            check_in(store, rank, plan.world_size, timeout, plan.secret)
-            dist.init_process_group(backend, store=dist.PrefixStore("hetfair/pg", store), rank=rank,
-                                    world_size=plan.world_size, timeout=timedelta(seconds=timeout))
+                                    timeout=pg_timeout)
+        return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=local_rank, device=device)
+    address = parse_init_method(plan.init_method, os.environ)
+    with deadline(limit, f"rank {rank} got no answer from the rendezvous {plan.init_method} within {timeout:.0f}s; "
+                         f"check that it is rank 0's address and that no other program listens there"):
+        store = create_store(address, rank, plan.world_size, timeout)
+    with deadline(limit, f"rank {rank} checked in but the process group did not form within {timeout:.0f}s"):
+        check_in(store, rank, plan.world_size, timeout, plan.secret)
+        dist.init_process_group(backend, store=dist.PrefixStore("hetfair/pg", store), rank=rank,
+                                world_size=plan.world_size, timeout=pg_timeout)
     return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=local_rank, device=device)
 
 
