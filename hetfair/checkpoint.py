@@ -24,17 +24,20 @@ Older formats are migrated on load (:data:`MIGRATIONS`). Files are loaded with
 from __future__ import annotations
 
 import argparse
+import errno
 import os
 import re
 import shutil
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Mapping, Optional, Protocol
+from typing import Any, BinaryIO, Callable, Mapping, Optional, Protocol
 
 import torch
 
-from hetfair.errors import CheckpointError, ConfigError, first_line
+from hetfair.errors import CheckpointError, ConfigError, Interrupted, first_line
+from hetfair.utils import check_output_dir
 
 FORMAT_VERSION = 2
 TRAINER = "trainer"
@@ -67,35 +70,69 @@ MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v
 """``MIGRATIONS[v]`` turns a format-``v`` checkpoint into format ``v + 1``."""
 
 
+TEMP_SUFFIX = ".tmp"
+
+
 def atomic_save(state: dict[str, Any], path: Path) -> None:
     """Write ``state`` to a temporary file in the same directory, then rename it over ``path``.
 
-    A crash at any point leaves either the old file or the new one, never a torn file.
+    A crash at any point leaves either the old file or the new one, never a torn file. A full
+    disk or Ctrl-C while writing removes the temporary file and becomes one error saying that
+    the previous checkpoint is intact.
     """
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            torch.save(state, handle)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp_name, path)
-    except BaseException:
-        Path(tmp_name).unlink(missing_ok=True)
-        raise
-    _fsync_dir(path.parent)
+    def write(handle: BinaryIO) -> None:
+        torch.save(state, handle)
+
+    _write_atomically(path, write)
 
 
 def atomic_copy(source: Path, target: Path) -> None:
     """Copy ``source`` to ``target`` through a temporary file and a rename."""
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    os.close(fd)
+    def write(handle: BinaryIO) -> None:
+        with open(source, "rb") as original:
+            shutil.copyfileobj(original, handle)
+
+    _write_atomically(target, write)
+
+
+def _write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
-        shutil.copyfile(source, tmp_name)
-        os.replace(tmp_name, target)
-    except BaseException:
+        with os.fdopen(fd, "wb") as handle:
+            write(handle)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp_name, path)
+    except BaseException as exc:
         Path(tmp_name).unlink(missing_ok=True)
-        raise
+        intact = "the previous checkpoint is intact" if path.exists() else "no checkpoint was written"
+        if isinstance(exc, KeyboardInterrupt):
+            raise Interrupted(f"interrupted while writing {path}; {intact}") from exc
+        cause = _os_error(exc)
+        if cause is None:
+            raise
+        what = "no space left on device" if cause.errno in (errno.ENOSPC, errno.EDQUOT) else cause.strerror
+        raise CheckpointError(f"{what} while writing {path}; {intact}") from exc
+    _fsync_dir(path.parent)
+
+
+def _os_error(exc: BaseException) -> Optional[OSError]:
+    """The operating-system error behind ``exc`` (torch.save wraps a failed write in a RuntimeError)."""
+    seen: Optional[BaseException] = exc
+    while seen is not None:
+        if isinstance(seen, OSError) and seen.errno is not None:
+            return seen
+        seen = seen.__cause__ or seen.__context__
+    return None
+
+
+def remove_stale_temp_files(directory: Path) -> list[Path]:
+    """Delete the temporary files of saves that were killed before their rename; return them."""
+    stale = [p for p in directory.glob(f".checkpoint*.pt.*{TEMP_SUFFIX}") if p.is_file()]
+    for path in stale:
+        path.unlink(missing_ok=True)
+    return stale
 
 
 def _fsync_dir(directory: Path) -> None:
@@ -118,6 +155,9 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
     """
     if not path.is_file():
         raise CheckpointError(f"checkpoint {path} does not exist")
+    if not zipfile.is_zipfile(path):
+        raise CheckpointError(f"{path} is not a hetfair checkpoint: not a torch.save archive (corrupt, truncated "
+                              f"or another kind of file)")
     try:
         state = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
@@ -182,6 +222,14 @@ class CheckpointConfig:
         return cls(Path(args.save_dir), args.restore_file, args.no_save, args.save_interval,
                    args.save_interval_updates, args.keep_interval_updates, args.keep_last_epochs,
                    args.no_epoch_checkpoints, args.maximize_best_checkpoint_metric)
+
+    def check_paths(self) -> None:
+        """Fail at start-up when checkpoints could not be written or the named restore file is missing."""
+        if not self.no_save:
+            check_output_dir("--save-dir", self.save_dir)
+        path = self.restore_path()
+        if self.restore_file != DEFAULT_RESTORE_FILE and not path.is_file():
+            raise ConfigError(f"--restore-file {path} does not exist")
 
     def restore_path(self) -> Path:
         path = Path(self.restore_file)
@@ -263,6 +311,8 @@ class Checkpointer:
         A part the checkpoint lacks (e.g. ``balance`` of a run without ``--auto-balance``)
         keeps its fresh state.
         """
+        if self.is_master and self.config.save_dir.is_dir():
+            remove_stale_temp_files(self.config.save_dir)
         path = self.config.restore_path()
         if not path.is_file():
             if self.config.restore_file != DEFAULT_RESTORE_FILE:

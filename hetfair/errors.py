@@ -51,6 +51,12 @@ class DivergenceError(HetfairError):
     """Training produced non-finite gradients."""
 
 
+class Interrupted(HetfairError):
+    """The user stopped the run (Ctrl-C or SIGTERM) at a point worth reporting, e.g. during a save."""
+
+    exit_code = 130
+
+
 _ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")
 
 

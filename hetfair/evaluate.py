@@ -1,4 +1,9 @@
-"""Metrics of a saved checkpoint on one split (``hetfair-validate``), computed as training validates."""
+"""Metrics of a saved checkpoint on one split (``hetfair-validate``), computed as training validates.
+
+A checkpoint is data, never code: its stored ``--user-dir`` is not imported. Only the plugin
+directory given on the command line is; when the checkpoint's components are unknown without
+the directory it was trained with, the error names that directory.
+"""
 
 from __future__ import annotations
 
@@ -23,3 +28,4 @@ def evaluate_checkpoint(path: Path, subset: str, overrides: dict[str, Any],
     validator = Validator(loaded.task, loaded.model.to(device), loaded.build_criterion().to(device), context,
                           [batch_size], options.num_workers)
     return validator.metrics(subset)
+

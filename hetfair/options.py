@@ -12,17 +12,19 @@ Library code never reads ``sys.argv``: the console scripts pass ``argv`` in.
 from __future__ import annotations
 
 import argparse
+import math
 from typing import Any, Sequence
 
 from hetfair.criteria import CRITERION_REGISTRY
 from hetfair.distributed.per_process import parse_per_process, values_of
+from hetfair.distributed.zero import parse_shard_weights
 from hetfair.errors import ConfigError
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.plugins import import_user_dir
 from hetfair.precision import parse_precision
 from hetfair.tasks import TASK_REGISTRY
-from hetfair.utils import DefaultsHelpFormatter
+from hetfair.utils import DefaultsHelpFormatter, absolute_path
 
 LOG_FORMATS = ("tqdm", "simple", "json", "none")
 
@@ -33,7 +35,8 @@ def _known(registry_names: list[str]) -> str:
 
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("common")
-    group.add_argument("--user-dir", metavar="DIR", help="import DIR as a Python package of plugins")
+    group.add_argument("--user-dir", metavar="DIR", type=absolute_path,
+                       help="import DIR as a Python package of plugins")
     group.add_argument("--list-plugins", action="store_true",
                        help="list every registered component and where it comes from, then exit")
     group.add_argument("--debug", action="store_true", help="show tracebacks for errors")
@@ -42,7 +45,8 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--log-interval", type=int, default=100, metavar="N", help="log every N updates")
     group.add_argument("--log-format", choices=LOG_FORMATS, default=None,
                        help="progress output (default: tqdm on a terminal, simple otherwise)")
-    group.add_argument("--tensorboard-logdir", metavar="DIR", help="write TensorBoard scalars to DIR")
+    group.add_argument("--tensorboard-logdir", metavar="DIR", type=absolute_path,
+                       help="write TensorBoard scalars to DIR")
 
 
 def add_component_args(parser: argparse.ArgumentParser) -> None:
@@ -60,7 +64,7 @@ def add_component_args(parser: argparse.ArgumentParser) -> None:
 
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset and batching")
-    group.add_argument("--data", metavar="DIR", help="data directory of the task")
+    group.add_argument("--data", metavar="DIR", type=absolute_path, help="data directory of the task")
     group.add_argument("--max-sentences", "--batch-size", metavar="N[,N...]", dest="max_sentences",
                        help="samples per process and micro-batch (may differ between nodes); a list gives one "
                             "value per process of this command, e.g. 48,16")
@@ -84,7 +88,8 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
 
 def add_optimization_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("optimization")
-    group.add_argument("--max-epoch", type=int, default=0, metavar="N", help="stop after N epochs (0: no limit)")
+    group.add_argument("--max-epoch", type=int, default=0, metavar="N",
+                       help="stop after N epochs (0: no limit; --max-epoch or --max-update must set one)")
     group.add_argument("--max-update", type=int, default=0, metavar="N", help="stop after N updates (0: no limit)")
     group.add_argument("--update-freq", type=int, default=1, metavar="N",
                        help="accumulate N micro-batches per update (gradient sync on the last only)")
@@ -118,7 +123,8 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("checkpoints")
-    group.add_argument("--save-dir", default="checkpoints", metavar="DIR", help="where checkpoints go")
+    group.add_argument("--save-dir", default="checkpoints", metavar="DIR", type=absolute_path,
+                       help="where checkpoints go")
     group.add_argument("--restore-file", default="checkpoint_last.pt", metavar="FILE",
                        help="checkpoint to resume from (relative to --save-dir unless absolute)")
     group.add_argument("--no-save", action="store_true", help="write no checkpoints")
@@ -154,6 +160,9 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                        help="collective backend (default: nccl on GPUs, gloo on CPU)")
     group.add_argument("--distributed-port", type=int, default=0, metavar="PORT",
                        help="port for SLURM rendezvous")
+    group.add_argument("--distributed-secret", metavar="SECRET",
+                       help="shared secret that signs the ranks' check-in (default: $HETFAIR_SECRET; needed "
+                            "when the rendezvous is reachable from other machines; never stored in checkpoints)")
     group.add_argument("--distributed-timeout", type=float, default=600.0, metavar="SECONDS",
                        help="give up when a rank is lost or a collective stalls this long")
     group.add_argument("--fast-stat-sync", action="store_true",
@@ -295,17 +304,7 @@ def parse_train_args(argv: Sequence[str]) -> argparse.Namespace:
     task_cls = TASK_REGISTRY.get(early.task)
     _set_defaults(parser, task_cls.option_defaults, f"task '{early.task}' [{TASK_REGISTRY.source(early.task)}]")
     chosen, _ = parser.parse_known_args(probe_argv)
-    if chosen.arch is None:
-        raise ConfigError(f"task '{early.task}' has no default --arch; choose one of: {_known(arch_names())}")
-    model_name, arch_defaults = resolve_arch(chosen.arch)
-
-    _add_component_flags(parser, f"task '{early.task}'", task_cls)
-    _add_component_flags(parser, f"model '{model_name}'", MODEL_REGISTRY.get(model_name))
-    _add_component_flags(parser, f"criterion '{chosen.criterion}'", CRITERION_REGISTRY.get(chosen.criterion))
-    _add_component_flags(parser, f"optimizer '{chosen.optimizer}'", OPTIMIZER_REGISTRY.get(chosen.optimizer))
-    _add_component_flags(parser, f"lr scheduler '{chosen.lr_scheduler}'",
-                         LR_SCHEDULER_REGISTRY.get(chosen.lr_scheduler))
-    _set_defaults(parser, arch_defaults, f"architecture '{chosen.arch}' [{_arch_source(chosen.arch)}]")
+    model_name = add_chosen_components(parser, chosen)
     args = parser.parse_args(argv)
     args.model = model_name
     validate_args(args)
@@ -317,33 +316,92 @@ def _arch_source(arch: str) -> str:
     return ARCH_REGISTRY.source(arch) if arch in ARCH_REGISTRY.names() else MODEL_REGISTRY.source(arch)
 
 
+def add_chosen_components(parser: argparse.ArgumentParser, chosen: argparse.Namespace) -> str:
+    """Add the flags and defaults of the task, arch, criterion, optimizer and scheduler ``chosen`` names.
+
+    Returns the model that ``chosen.arch`` belongs to.
+    """
+    if chosen.arch is None:
+        raise ConfigError(f"task '{chosen.task}' has no default --arch; choose one of: {_known(arch_names())}")
+    model_name, arch_defaults = resolve_arch(chosen.arch)
+    _add_component_flags(parser, f"task '{chosen.task}'", TASK_REGISTRY.get(chosen.task))
+    _add_component_flags(parser, f"model '{model_name}'", MODEL_REGISTRY.get(model_name))
+    _add_component_flags(parser, f"criterion '{chosen.criterion}'", CRITERION_REGISTRY.get(chosen.criterion))
+    _add_component_flags(parser, f"optimizer '{chosen.optimizer}'", OPTIMIZER_REGISTRY.get(chosen.optimizer))
+    _add_component_flags(parser, f"lr scheduler '{chosen.lr_scheduler}'",
+                         LR_SCHEDULER_REGISTRY.get(chosen.lr_scheduler))
+    _set_defaults(parser, arch_defaults, f"architecture '{chosen.arch}' [{_arch_source(chosen.arch)}]")
+    return model_name
+
+
+def stored_options(config: dict[str, Any]) -> argparse.Namespace:
+    """Options stored in a checkpoint, completed with the defaults of the components they name.
+
+    An option the checkpoint lacks (an older hetfair, a hand-edited arch) takes its default
+    instead of being missing when the model is built; the model is the one of the stored arch.
+    """
+    parser = build_parser()
+    _set_defaults(parser, TASK_REGISTRY.get(config["task"]).option_defaults, f"task '{config['task']}'")
+    model_name = add_chosen_components(parser, argparse.Namespace(**{**vars(parser.parse_args([])), **config}))
+    return argparse.Namespace(**{**vars(parser.parse_args([])), **config, "model": model_name})
+
+
+# The smallest value each integer option accepts (a value of None means "not given").
+_INT_MINIMUM = {
+    "max_sentences": 1, "max_tokens": 1, "max_sentences_valid": 1, "update_freq": 1, "global_batch_size": 1,
+    "distributed_world_size": 1, "distributed_gpus": 1, "balance_interval": 1, "log_interval": 1,
+    "validate_interval": 1, "save_interval": 1,
+    "max_epoch": 0, "max_update": 0, "validate_interval_updates": 0, "save_interval_updates": 0,
+    "warmup_updates": 0, "num_workers": 0, "seed": 0, "distributed_rank": 0, "device_id": 0,
+    "distributed_port": 0, "balance_warmup_updates": 0, "fp16_scale_window": 1,
+    "keep_interval_updates": -1, "keep_last_epochs": -1,
+}
+_INT_MAXIMUM = {"seed": 2**63 - 1, "distributed_port": 65535}
+_FLOAT_MINIMUM = {"lr": 0.0, "weight_decay": 0.0, "clip_norm": 0.0}
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
 def validate_args(args: argparse.Namespace) -> None:
-    """Cross-option checks that argparse cannot express."""
+    """Every core option checked at start-up, before any compute or process is started.
+
+    What a run needs beyond valid values (an end, writable directories, the restore file) is
+    :func:`hetfair.training.check_before_start`; the ranks' agreement is checked when they meet.
+    """
     if args.max_sentences is None and args.max_tokens is None:
         raise ConfigError("give a batch size: --max-sentences N (samples per process) or --max-tokens N")
     for name in ("max_sentences", "max_tokens"):
         if isinstance(getattr(args, name), str):
             setattr(args, name, parse_per_process(getattr(args, name), _whole_number, name))
     args.precision = _chosen_precision(args)
-    for name in ("max_sentences", "max_tokens", "update_freq", "distributed_world_size", "global_batch_size",
-                 "balance_interval", "fp16_scale_window"):
+    for name, minimum in _INT_MINIMUM.items():
         for value in values_of(getattr(args, name)):
-            if value is not None and value < 1:
-                raise ConfigError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+            if value is not None and value < minimum:
+                raise ConfigError(f"{_flag(name)} must be at least {minimum}, got {value}")
+            if value is not None and name in _INT_MAXIMUM and value > _INT_MAXIMUM[name]:
+                raise ConfigError(f"{_flag(name)} must be at most {_INT_MAXIMUM[name]}, got {value}")
+    for name, minimum in _FLOAT_MINIMUM.items():
+        value = getattr(args, name)
+        if not (math.isfinite(value) and value >= minimum):
+            raise ConfigError(f"{_flag(name)} must be a finite number of at least {minimum:g}, got {value}")
+    if not (math.isfinite(args.distributed_timeout) and args.distributed_timeout > 0):
+        raise ConfigError(f"--distributed-timeout must be a positive number of seconds, got {args.distributed_timeout}")
     for name in ("fp16_init_scale", "threshold_loss_scale"):
         value = getattr(args, name)
-        if value is not None and not value > 0:
+        if value is not None and not (math.isfinite(value) and value > 0):
             raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if args.min_loss_scale < 0:
+    if not (math.isfinite(args.min_loss_scale) and args.min_loss_scale >= 0):
         raise ConfigError(f"--min-loss-scale must not be negative, got {args.min_loss_scale}")
-    if args.balance_warmup_updates < 0:
-        raise ConfigError(f"--balance-warmup-updates must not be negative, got {args.balance_warmup_updates}")
     if not 0 < args.balance_smoothing <= 1:
         raise ConfigError(f"--balance-smoothing must be in (0, 1], got {args.balance_smoothing}")
     if not 0 <= args.balance_threshold < 1:
         raise ConfigError(f"--balance-threshold must be in [0, 1), got {args.balance_threshold}")
-    if args.zero_shard_weights is not None and args.zero_sharding != "os":
-        raise ConfigError("--zero-shard-weights needs --zero-sharding os")
+    if args.zero_shard_weights is not None:
+        if args.zero_sharding != "os":
+            raise ConfigError("--zero-shard-weights needs --zero-sharding os")
+        parse_shard_weights(args.zero_shard_weights)
     if args.ddp_backend == "fully_sharded" and args.zero_sharding != "none":
         raise ConfigError("--ddp-backend fully_sharded already shards the optimizer state; drop --zero-sharding")
     if args.no_reshard_after_forward and args.ddp_backend != "fully_sharded":
@@ -368,10 +426,15 @@ def _chosen_precision(args: argparse.Namespace) -> str | tuple[str, ...]:
     return parse_per_process(args.precision, parse_precision, "precision")
 
 
+_NEVER_STORED = ("distributed_secret",)
+
+
 def plain_config(args: argparse.Namespace) -> dict[str, Any]:
-    """The options as plain data (numbers, strings, lists), safe to store in checkpoints."""
+    """The options as plain data (numbers, strings, lists), safe to store in checkpoints (no secrets)."""
     plain: dict[str, Any] = {}
     for key, value in vars(args).items():
+        if key in _NEVER_STORED:
+            continue
         if value is None or isinstance(value, (bool, int, float, str)):
             plain[key] = value
         elif isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str)) for v in value):

@@ -12,7 +12,8 @@ from torch import nn
 
 from hetfair.checkpoint import load_checkpoint, model_weights, stored_config
 from hetfair.criteria import HetfairCriterion
-from hetfair.errors import CheckpointError, ComponentNotKnownError, first_line
+from hetfair.errors import CheckpointError, ComponentNotKnownError, HetfairError, first_line
+from hetfair.options import stored_options
 from hetfair.plugins import import_user_dir
 from hetfair.tasks import TASK_REGISTRY, Task
 from hetfair.utils import state_dict_mismatch
@@ -44,13 +45,8 @@ def load_model(path: str | Path, user_dir: Optional[str | Path] = None, override
     """
     path = Path(path)
     state = load_checkpoint(path)
-    options = argparse.Namespace(**{**stored_config(state), **{k: v for k, v in (overrides or {}).items()
-                                                                if v is not None}})
-    if user_dir is not None:
-        import_user_dir(user_dir)
-        options.user_dir = str(Path(user_dir).resolve())
-    task = _setup_task(options, path)
-    model = task.build_model(options)
+    options = _options(path, state, user_dir, overrides or {})
+    task, model = _build(path, options)
     try:
         model.load_state_dict(model_weights(state))
     except RuntimeError as exc:
@@ -59,13 +55,35 @@ def load_model(path: str | Path, user_dir: Optional[str | Path] = None, override
     return LoadedModel(model.to(device).eval(), task, options)
 
 
-def _setup_task(options: argparse.Namespace, path: Path) -> Task:
+def _options(path: Path, state: dict[str, Any], user_dir: Optional[str | Path],
+             overrides: dict[str, Any]) -> argparse.Namespace:
+    """The stored options with ``overrides`` applied; the stored ``user_dir`` is replaced by ``user_dir``."""
+    config = stored_config(state)
+    trained_with = config.get("user_dir")
+    config.update({key: value for key, value in overrides.items() if value is not None},
+                  user_dir=str(Path(user_dir).resolve()) if user_dir else None)
+    if config["user_dir"]:
+        import_user_dir(config["user_dir"])
     try:
-        task_class = TASK_REGISTRY.get(options.task)
-    except ComponentNotKnownError:
-        stored = getattr(options, "user_dir", None)
-        if stored:
-            raise CheckpointError(f"checkpoint {path} was trained with the task '{options.task}' of --user-dir "
-                                  f"{stored}; pass that directory (--user-dir / user_dir=) to load it") from None
+        return stored_options(config)
+    except ComponentNotKnownError as exc:
+        if trained_with and not config["user_dir"]:
+            raise CheckpointError(
+                f"checkpoint {path} was trained with --user-dir {trained_with}, which is not imported from a "
+                f"checkpoint ({str(exc).split(';')[0]}); pass --user-dir {trained_with}"
+            ) from exc
         raise
-    return task_class.setup_task(options)
+
+
+def _build(path: Path, options: argparse.Namespace) -> tuple[Task, nn.Module]:
+    """Task and model as the stored options say; options that do not fit are one error."""
+    try:
+        task = TASK_REGISTRY.get(options.task).setup_task(options)
+        return task, task.build_model(options)
+    except HetfairError:
+        raise
+    except (AttributeError, KeyError, TypeError, ValueError, IndexError) as exc:
+        raise CheckpointError(
+            f"checkpoint {path}: its options (task '{options.task}', arch '{getattr(options, 'arch', None)}') do "
+            f"not build a model: {type(exc).__name__}: {first_line(exc)}"
+        ) from exc

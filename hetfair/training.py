@@ -28,6 +28,7 @@ from hetfair.rng import RngState, seed_everything
 from hetfair.run_state import BalancerPart, Position, TrainingClock
 from hetfair.tasks import TASK_REGISTRY, Task
 from hetfair.trainer import Trainer
+from hetfair.utils import check_output_dir
 from hetfair.validation import Validator
 
 
@@ -54,6 +55,21 @@ def global_batch_size(args: argparse.Namespace, caps: list[int]) -> int:
         raise ConfigError(f"--auto-balance needs a --global-batch-size of at least one sample per process "
                           f"({len(caps)})")
     return size
+
+
+def check_before_start(args: argparse.Namespace) -> None:
+    """What this run needs beyond valid option values; checked before any process is started.
+
+    A run must end (``--max-epoch`` or ``--max-update``: 0 means no limit on that count, and
+    both unlimited is refused rather than training forever), its checkpoint and TensorBoard
+    directories must be writable and a named ``--restore-file`` must exist.
+    """
+    if not args.max_epoch and not args.max_update:
+        raise ConfigError("training would never end: give --max-epoch N or --max-update N "
+                          "(0 means no limit on that count; one of them needs a limit)")
+    CheckpointConfig.from_args(args).check_paths()
+    if args.tensorboard_logdir:
+        check_output_dir("--tensorboard-logdir", args.tensorboard_logdir)
 
 
 def train(args: argparse.Namespace, context: DistributedContext) -> None:

@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 from typing import Any, Mapping
 
 import numpy as np
 import torch
+
+from hetfair.errors import ConfigError
 
 
 def move_to_device(sample: Any, device: torch.device) -> Any:
@@ -65,3 +69,22 @@ class DefaultsHelpFormatter(argparse.HelpFormatter):
                 or "default" in text or action.help == argparse.SUPPRESS):
             return action.help
         return f"{text} (default: %(default)s)".strip()
+
+
+def absolute_path(text: str) -> str:
+    """An argparse ``type`` for paths: stored absolute, so a checkpoint's options work from any directory."""
+    return os.path.abspath(os.path.expanduser(text))
+
+
+def check_output_dir(flag: str, path: str | Path) -> None:
+    """Fail now, not after an epoch, when ``path`` cannot be (created and) written as a directory."""
+    target = Path(path).expanduser()
+    existing = target
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        where = "is not a directory" if existing == target else f"cannot be created: {existing} is not a directory"
+        raise ConfigError(f"{flag} {path} {where}")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        where = "is not writable" if existing == target else f"cannot be created: {existing} is not writable"
+        raise ConfigError(f"{flag} {path} {where}")

@@ -6,7 +6,7 @@ import os
 import sys
 from typing import Callable, Sequence
 
-from hetfair.errors import HetfairError
+from hetfair.errors import HetfairError, Interrupted
 
 EXIT_BROKEN_PIPE = 141
 """What a shell reports for a process killed by SIGPIPE (128 + 13), as ``cmd | head -1`` ends ``cmd``."""
@@ -26,7 +26,8 @@ def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[s
         if "--debug" in args or os.environ.get("HETFAIR_DEBUG") == "1":
             raise
         message = str(exc).replace("\n", " ")
-        print(f"{prog}: error: {message}", file=sys.stderr)
+        kind = "" if isinstance(exc, Interrupted) else "error: "  # stopping on request is no error
+        print(f"{prog}: {kind}{message}", file=sys.stderr)
         return exc.exit_code
     except KeyboardInterrupt:
         print(f"{prog}: interrupted", file=sys.stderr)

@@ -15,8 +15,9 @@ def _main(argv: list[str]) -> int:
     if args.list_plugins:
         return _list_plugins()
     from hetfair.distributed.launch import launch
-    from hetfair.training import train
+    from hetfair.training import check_before_start, train
 
+    check_before_start(args)
     launch(args, train)
     return 0
 

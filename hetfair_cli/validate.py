@@ -9,9 +9,10 @@ import sys
 from pathlib import Path
 from typing import Sequence
 
+from hetfair.errors import ConfigError
 from hetfair.evaluate import evaluate_checkpoint
 from hetfair.logging.progress import format_metrics
-from hetfair.utils import DefaultsHelpFormatter
+from hetfair.utils import DefaultsHelpFormatter, absolute_path
 from hetfair_cli.errors import run_cli
 
 DESCRIPTION = """Report a checkpoint's metrics on one or more splits, computed as training validates.
@@ -25,8 +26,8 @@ def build_parser() -> argparse.ArgumentParser:
                                      formatter_class=DefaultsHelpFormatter)
     parser.add_argument("--path", required=True, metavar="FILE", help="checkpoint file written by hetfair-train")
     parser.add_argument("--valid-subset", default="valid", metavar="SPLITS", help="comma-separated splits to evaluate")
-    parser.add_argument("--data", metavar="DIR", help="data directory (default: the one used in training)")
-    parser.add_argument("--user-dir", metavar="DIR",
+    parser.add_argument("--data", metavar="DIR", type=absolute_path, help="data directory (default: the one used in training)")
+    parser.add_argument("--user-dir", metavar="DIR", type=absolute_path,
                         help="plugin package the checkpoint's task comes from (never taken from the checkpoint)")
     parser.add_argument("--max-sentences", "--batch-size", type=int, dest="max_sentences_valid", metavar="N",
                         help="batch size for evaluation (default: the one used in training)")
@@ -41,6 +42,10 @@ def build_parser() -> argparse.ArgumentParser:
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)  # e.g. the task's data notes
+    if args.max_sentences_valid is not None and args.max_sentences_valid < 1:
+        raise ConfigError(f"--max-sentences must be at least 1, got {args.max_sentences_valid}")
+    if args.num_workers is not None and args.num_workers < 0:
+        raise ConfigError(f"--num-workers must be at least 0, got {args.num_workers}")
     overrides = {"data": args.data, "max_sentences_valid": args.max_sentences_valid,
                  "num_workers": args.num_workers, "cpu": args.cpu}
     for subset in args.valid_subset.split(","):

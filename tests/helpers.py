@@ -56,3 +56,29 @@ def run_nodes(commands: list[list[str]], cwd: Path, timeout: float = 180) -> lis
 def final_parameters(save_dir: Path) -> dict[str, torch.Tensor]:
     state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     return state["trainer"]["model"]
+
+
+def worker_pids(launcher_pid: int) -> list[int]:
+    """PIDs of the rank processes a hetfair-train launcher spawned (not multiprocessing's resource tracker)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            cmdline = (entry / "cmdline").read_bytes()
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == launcher_pid and b"spawn_main" in cmdline:
+            pids.append(int(entry.name))
+    return sorted(pids)
+
+
+def is_running(pid: int) -> bool:
+    """True while ``pid`` exists and is not a zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

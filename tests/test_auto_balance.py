@@ -241,7 +241,7 @@ def test_balance_efficiency_is_ideal_over_slowest_rank_time():
 def test_bad_balance_options_are_one_line_errors(tmp_path, monkeypatch, capsys, flags, message):
     monkeypatch.chdir(tmp_path)
     code = main(["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--max-sentences", "16", "--no-save",
-                 "--disable-validation", "--log-format", "none", *flags])
+                 "--max-epoch", "1", "--disable-validation", "--log-format", "none", *flags])
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1 and message in err
 

@@ -103,13 +103,13 @@ def test_dict_differing_from_the_data_vocabulary_is_one_error_line(data, tmp_pat
     with pytest.raises(ConfigError, match="differs from"):
         setup(data[0], "--dict", str(other))
     assert train_main(["--task", "bert", "--data", str(data[0]), "--dict", str(other), "--max-sentences", "4",
-                       "--save-dir", str(tmp_path / "ck")]) == 2
+                       "--max-epoch", "1", "--save-dir", str(tmp_path / "ck")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hetfair-train: error: vocabulary") and "differs from" in err[0]
 
 
 def test_missing_split_and_unprocessed_directory_are_one_error_line(data, tmp_path: Path, capsys) -> None:
-    assert train_main(["--task", "bert", "--data", str(data[0]), "--train-subset", "nope",
+    assert train_main(["--task", "bert", "--data", str(data[0]), "--train-subset", "nope", "--max-epoch", "1",
                        "--max-sentences", "4", "--arch", "bert_tiny", "--save-dir", str(tmp_path / "ck")]) == 2
     expected = (f"hetfair-train: error: no split 'nope' in {data[0]} ({data[0] / 'nope'}.bin/.idx); "
                 "create it with hetfair-preprocess --trainpref/--validpref/--testpref")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import textwrap
 import uuid
 from typing import ClassVar
@@ -77,12 +78,12 @@ HETSEQ_FLAGS = [
     ("--warmup-updates", "10", "warmup_updates", 10),
     ("--total-num-update", "100", "total_num_update", 100),
     ("--seed", "42", "seed", 42),
-    ("--save-dir", "ckpts", "save_dir", "ckpts"),
+    ("--save-dir", "ckpts", "save_dir", os.path.abspath("ckpts")),  # paths are stored absolute
     ("--restore-file", "checkpoint_best.pt", "restore_file", "checkpoint_best.pt"),
     ("--no-save", None, "no_save", True),
     ("--log-interval", "5", "log_interval", 5),
     ("--log-format", "json", "log_format", "json"),
-    ("--tensorboard-logdir", "tb", "tensorboard_logdir", "tb"),
+    ("--tensorboard-logdir", "tb", "tensorboard_logdir", os.path.abspath("tb")),
     ("--fast-stat-sync", None, "fast_stat_sync", True),
     ("--cpu", None, "cpu", True),
     ("--distributed-world-size", "4", "distributed_world_size", 4),

@@ -242,3 +242,49 @@ def test_console_script_exits_2_with_one_line_and_no_traceback(tmp_path: Path) -
     assert result.returncode == 2
     expected = f"hetfair-preprocess: error: input file {tmp_path / 'x'} does not exist"
     assert result.stderr.strip().splitlines() == [expected]
+
+
+def snapshot(directory: Path) -> dict[str, bytes]:
+    """Every file of ``directory`` (hidden ones too) and its content."""
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir()) if p.is_file()}
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"A good first line.\n\x80\x81binary\x00junk\n", "not UTF-8"),
+    (b"\n  \n\n", "contains no text"),
+])
+def test_a_failed_run_leaves_an_existing_destdir_untouched(tmp_path: Path, corpus, vocab, capsys, content,
+                                                          message) -> None:
+    out = tmp_path / "o"
+    assert main(["--trainpref", str(corpus[0]), "--validpref", str(corpus[0]), "--dict", str(vocab),
+                 "--destdir", str(out)]) == 0
+    before = snapshot(out)
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(content)
+    # the good split is processed first, the bad one fails: nothing of the run may land
+    line = run_error(["--validpref", str(corpus[0]), "--trainpref", str(bad), "--dict", str(vocab),
+                      "--destdir", str(out)], capsys)
+    assert message in line
+    assert snapshot(out) == before
+    IndexedDataset(str(out / "train"))  # still readable
+
+
+def test_destdir_that_is_a_file_is_an_error(tmp_path: Path, corpus, vocab, capsys) -> None:
+    target = tmp_path / "file"
+    target.write_text("keep me")
+    line = run_error(["--trainpref", str(corpus[0]), "--dict", str(vocab), "--destdir", str(target)], capsys)
+    assert "is not a directory" in line
+    assert target.read_text() == "keep me"
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--vocab-size", "0"], "--vocab-size must be"),
+    (["--vocab-size", "5"], "--vocab-size must be"),
+    (["--character-coverage", "0"], "--character-coverage must be"),
+    (["--workers", "0"], "--workers must be at least 1"),
+])
+def test_bad_numbers_are_refused_before_any_work(tmp_path: Path, corpus, capsys, flags, message) -> None:
+    line = run_error(["--trainpref", str(corpus[0]), "--tokenizer", "wordpiece", "--destdir", str(tmp_path / "o"),
+                      *flags], capsys)
+    assert message in line
+    assert not (tmp_path / "o").exists()

@@ -228,7 +228,7 @@ def test_resume_with_the_same_optimizer_settings_says_nothing_about_them(tmp_pat
 
 
 def test_missing_restore_file_is_one_clear_error(tmp_path, capsys):
-    code = train_main(toy_args(tmp_path / "c", "--restore-file", "nope.pt"))
+    code = train_main(toy_args(tmp_path / "c", "--max-epoch", "1", "--restore-file", "nope.pt"))
     err = capsys.readouterr().err
     assert code == 2 and "nope.pt" in err
 

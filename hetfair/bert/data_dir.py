@@ -33,8 +33,11 @@ def read_metadata(destdir: str) -> dict[str, Any] | None:
 
 
 def write_metadata(destdir: str, metadata: dict[str, Any]) -> None:
-    with open(os.path.join(destdir, METADATA_FILE), "w") as f:
+    """Replace ``destdir``'s metadata atomically (a crash leaves the old file or the new one)."""
+    path = os.path.join(destdir, METADATA_FILE)
+    with open(path + ".tmp", "w") as f:
         json.dump(metadata, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def destdir_tokenizer_spec(destdir: str) -> TokenizerSpec:

@@ -78,6 +78,13 @@ class IndexedDatasetBuilder:
     def num_documents(self) -> int:
         return len(self._documents) - 1
 
+    def discard(self) -> None:
+        """Give up: close and delete whatever was written (after a failure)."""
+        self._bin.close()
+        for suffix in (".bin", ".idx"):
+            if os.path.exists(self.prefix + suffix):
+                os.remove(self.prefix + suffix)
+
     def finalize(self) -> None:
         """End the last document and write the index."""
         self.end_document()

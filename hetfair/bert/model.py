@@ -21,6 +21,7 @@ from torch import nn
 from hetfair.errors import ConfigError
 from hetfair.models import register_model, register_model_architecture
 from hetfair.models.model import HetfairModel
+from hetfair.utils import absolute_path
 
 if TYPE_CHECKING:
     from hetfair.tasks import Task
@@ -201,6 +202,7 @@ class BertModel(HetfairModel):
             parser.add_argument(f"--{name.replace('_', '-')}", type=type(value), default=value,
                                 metavar=type(value).__name__.upper(), help=f"{_HELP[name]} (bert_config.json: {name})")
         parser.add_argument("--config_file", "--config-file", metavar="JSON", dest="config_file",
+                            type=absolute_path,
                             help="bert_config.json whose values override the architecture and flags")
         parser.add_argument("--init-from-hf", metavar="DIR",
                             help="start from a local Hugging Face BERT directory (config.json + model.safetensors "

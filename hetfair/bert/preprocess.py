@@ -26,6 +26,7 @@ from tqdm import tqdm
 from hetfair.bert.data_dir import SPLIT_FLAGS, destdir_tokenizer_spec, read_metadata, write_metadata
 from hetfair.bert.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab
 from hetfair.bert.tokenizer import (
+    SPECIAL_TOKENS,
     TOKENIZER_KINDS,
     VOCAB_FILE_NAMES,
     Tokenizer,
@@ -67,7 +68,43 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def preprocess(args: argparse.Namespace) -> dict[str, Any]:
-    """Write every requested split and the vocabulary into ``args.destdir``; return the metadata."""
+    """Write every requested split and the vocabulary into ``args.destdir``; return the metadata.
+
+    All or nothing: every split is written under a hidden staging name first and only
+    renamed into place, with the new ``preprocess.json``, once every split succeeded. A
+    failed run leaves the files already in ``destdir`` as they were.
+    """
+    splits = _check_args(args)
+    _make_destdir(args.destdir)
+    spec = _vocabulary_in_destdir(args, splits)
+    tokenizer = load_tokenizer(spec)
+    metadata = read_metadata(args.destdir) or {"splits": {}}
+    metadata["tokenizer"] = {**asdict(spec), "path": os.path.basename(spec.path)}
+    metadata["vocab_size"] = len(tokenizer.vocab)
+    staged = {split: os.path.join(args.destdir, f".{split}.partial") for split in splits}
+    try:
+        for split, path in splits.items():
+            stats = metadata["splits"][split] = binarize(path, staged[split], tokenizer, args.workers)
+            print(f"{split}: {stats['documents']} documents, {stats['sentences']} sentences, {stats['tokens']} "
+                  f"tokens ({100 * stats['unk'] / max(stats['tokens'], 1):.2f}% [UNK]) -> "
+                  f"{os.path.join(args.destdir, split)}.bin")
+        for split, prefix in staged.items():
+            for suffix in (".idx", ".bin"):
+                os.replace(prefix + suffix, os.path.join(args.destdir, split) + suffix)
+        write_metadata(args.destdir, metadata)
+    except OSError as exc:
+        raise DataError(f"cannot write into {args.destdir}: {exc.strerror or exc}; "
+                        f"the files already there are untouched") from exc
+    finally:
+        for prefix in staged.values():
+            for suffix in (".idx", ".bin"):
+                if os.path.exists(prefix + suffix):
+                    os.remove(prefix + suffix)
+    return metadata
+
+
+def _check_args(args: argparse.Namespace) -> dict[str, str]:
+    """Every option checked before anything is read or written; returns split -> input file."""
     splits = {split: getattr(args, flag) for split, flag in SPLIT_FLAGS.items() if getattr(args, flag)}
     if not splits:
         raise ConfigError("nothing to do: give at least one of --trainpref, --validpref, --testpref")
@@ -76,19 +113,21 @@ def preprocess(args: argparse.Namespace) -> dict[str, Any]:
             raise DataError(f"input file {path} does not exist")
     if args.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {args.workers}")
-    os.makedirs(args.destdir, exist_ok=True)
-    spec = _vocabulary_in_destdir(args, splits)
-    tokenizer = load_tokenizer(spec)
-    metadata = read_metadata(args.destdir) or {"splits": {}}
-    metadata["tokenizer"] = {**asdict(spec), "path": os.path.basename(spec.path)}
-    metadata["vocab_size"] = len(tokenizer.vocab)
-    for split, path in splits.items():
-        metadata["splits"][split] = binarize(path, os.path.join(args.destdir, split), tokenizer, args.workers)
-        stats = metadata["splits"][split]
-        print(f"{split}: {stats['documents']} documents, {stats['sentences']} sentences, {stats['tokens']} tokens "
-              f"({100 * stats['unk'] / max(stats['tokens'], 1):.2f}% [UNK]) -> {os.path.join(args.destdir, split)}.bin")
-    write_metadata(args.destdir, metadata)
-    return metadata
+    if args.vocab_size <= len(SPECIAL_TOKENS):
+        raise ConfigError(f"--vocab-size must be larger than the {len(SPECIAL_TOKENS)} special tokens, "
+                          f"got {args.vocab_size}")
+    if not 0 < args.character_coverage <= 1:
+        raise ConfigError(f"--character-coverage must be in (0, 1], got {args.character_coverage}")
+    if os.path.exists(args.destdir) and not os.path.isdir(args.destdir):
+        raise ConfigError(f"--destdir {args.destdir} is not a directory")
+    return splits
+
+
+def _make_destdir(destdir: str) -> None:
+    try:
+        os.makedirs(destdir, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create --destdir {destdir}: {exc.strerror or exc}") from exc
 
 
 def _vocabulary_in_destdir(args: argparse.Namespace, splits: dict[str, str]) -> TokenizerSpec:
@@ -138,8 +177,26 @@ def _given_spec(args: argparse.Namespace) -> TokenizerSpec | None:
 
 
 def binarize(path: str, prefix: str, tokenizer: Tokenizer, workers: int) -> dict[str, Any]:
-    """Tokenize the text file ``path`` into ``prefix.bin`` / ``prefix.idx``; return counts."""
+    """Tokenize the text file ``path`` into ``prefix.bin`` / ``prefix.idx``; return counts.
+
+    On any failure neither file is left behind.
+    """
     builder = IndexedDatasetBuilder(prefix, dtype_for_vocab(len(tokenizer.vocab)))
+    try:
+        unk = _add_text(builder, path, tokenizer, workers)
+        builder.finalize()
+        if builder.num_sentences == 0:
+            raise DataError(f"{path} contains no text")
+    except BaseException:
+        builder.discard()
+        raise
+    return {"source": os.path.abspath(path), "documents": builder.num_documents,
+            "sentences": builder.num_sentences, "tokens": builder.num_tokens, "unk": unk,
+            "dtype": builder.dtype.name}
+
+
+def _add_text(builder: IndexedDatasetBuilder, path: str, tokenizer: Tokenizer, workers: int) -> int:
+    """Add every sentence and document of ``path`` to ``builder``; return the number of [UNK] tokens."""
     unk = 0
     with _open_text(path) as (lines, progress), _encoded_chunks(lines, tokenizer, workers) as chunks:
         for tokens, lengths in chunks:
@@ -152,14 +209,7 @@ def binarize(path: str, prefix: str, tokenizer: Tokenizer, workers: int) -> dict
                 builder.add_sentence(tokens[start:start + length])
                 start += length
             progress()
-    builder.finalize()
-    if builder.num_sentences == 0:
-        for suffix in (".bin", ".idx"):
-            os.remove(prefix + suffix)
-        raise DataError(f"{path} contains no text")
-    return {"source": os.path.abspath(path), "documents": builder.num_documents,
-            "sentences": builder.num_sentences, "tokens": builder.num_tokens, "unk": unk,
-            "dtype": builder.dtype.name}
+    return unk
 
 
 def encode_lines(tokenizer: Tokenizer, lines: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:

@@ -24,6 +24,7 @@ from hetfair.bert.tokenizer import (
 from hetfair.errors import ConfigError, DataError
 from hetfair.tasks import register_task
 from hetfair.tasks.task import Task
+from hetfair.utils import absolute_path
 
 
 @register_task("bert")
@@ -54,7 +55,7 @@ class BertTask(Task):
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
-        parser.add_argument("--dict", metavar="VOCAB",
+        parser.add_argument("--dict", metavar="VOCAB", type=absolute_path,
                             help="vocabulary (vocab.txt or sentencepiece .model); must match the one in --data "
                                  "(required for .hdf5 shards)")
         parser.add_argument("--tokens-per-sample", type=int, default=128, metavar="N",

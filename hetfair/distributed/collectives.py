@@ -1,11 +1,19 @@
-"""Small collectives used at start-up."""
+"""Small collectives: integers at start-up, JSON data for statistics that cannot be summed.
+
+Nothing here unpickles what a peer sends: data travels as tensors (JSON text in a byte
+tensor), so a rank never runs code chosen by another process.
+"""
 
 from __future__ import annotations
+
+import json
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from hetfair.distributed.context import DistributedContext
+from hetfair.errors import ConfigError
 
 
 def all_gather_ints(context: DistributedContext, value: int) -> list[int]:
@@ -21,3 +29,20 @@ def all_gather_ints(context: DistributedContext, value: int) -> list[int]:
 def comm_device(context: DistributedContext) -> torch.device:
     """Where collective buffers must live: the GPU for NCCL, the CPU for gloo."""
     return context.device if dist.get_backend() == "nccl" else torch.device("cpu")
+
+
+def all_gather_json(context: DistributedContext, value: Any) -> list[Any]:
+    """Every rank's ``value`` (JSON data: numbers, strings, lists, dicts, None), indexed by rank."""
+    if not context.is_distributed:
+        return [value]
+    try:
+        payload = json.dumps(value).encode()
+    except (TypeError, ValueError) as exc:
+        raise ConfigError(f"a logged value cannot be sent to the other ranks: {exc}; log numbers, strings or "
+                          f"lists of them") from exc
+    sizes = all_gather_ints(context, len(payload))
+    local = torch.zeros(max(sizes), dtype=torch.uint8, device=comm_device(context))
+    local[: len(payload)] = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    gathered = [torch.empty_like(local) for _ in range(context.world_size)]
+    dist.all_gather(gathered, local)
+    return [json.loads(bytes(t[:size].cpu().tolist())) for t, size in zip(gathered, sizes)]

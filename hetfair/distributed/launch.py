@@ -7,8 +7,13 @@ Modes, chosen from the options and the environment:
   per node that spawns ``--distributed-gpus`` processes; master = first node;
 * ``--distributed-init-method tcp://…`` or ``file://…``: spawn
   ``--distributed-gpus`` processes with ranks from ``--distributed-rank`` on;
-* ``--distributed-world-size N`` alone: N local processes meeting on 127.0.0.1;
-* otherwise a single process without a process group.
+* ``--distributed-world-size N`` alone: N local processes meeting through a private
+  ``file://`` store in a directory only this user can read (no TCP port);
+* otherwise a single process without a process group, in this process.
+
+Every rank of a distributed job runs in a worker process that this command spawns and
+supervises (:mod:`hetfair.distributed.supervisor`): failures, Ctrl-C and SIGTERM end all
+of them with one line.
 
 Options given per process (``--max-sentences 48,16``, see
 :mod:`hetfair.distributed.per_process`) must list one value per process started
@@ -19,23 +24,33 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
-import sys
-from dataclasses import dataclass
+import shutil
+import tempfile
+from contextlib import contextmanager
+from dataclasses import dataclass, replace
 from datetime import timedelta
-from typing import Callable, Mapping
+from typing import Callable, Iterator, Mapping, Optional
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.per_process import check_counts, for_process
-from hetfair.distributed.rendezvous import check_in, create_store
+from hetfair.distributed.rendezvous import (
+    check_in,
+    create_store,
+    job_secret,
+    loopback_interface,
+    parse_init_method,
+    private_secret,
+)
 from hetfair.distributed.slurm import first_host, in_slurm_job
-from hetfair.errors import ConfigError, DistributedError, HetfairError, first_line
+from hetfair.distributed.supervisor import deadline, interrupt_on_sigterm, run_workers
+from hetfair.distributed.zero import ShardingConfig, check_sharding
+from hetfair.errors import ConfigError, DistributedError, first_line
 from hetfair.plugins import import_user_dir
 
+_RENDEZVOUS_GRACE_SECONDS = 5.0
 TrainFunction = Callable[[argparse.Namespace, DistributedContext], None]
 
 
@@ -49,6 +64,10 @@ class LaunchPlan:
     init_method: str | None
     local_rank_offset: int = 0
     use_env_store: bool = False
+    secret: Optional[bytes] = None
+    """Signs the check-in (see :mod:`hetfair.distributed.rendezvous`); never stored in checkpoints."""
+    local_only: bool = False
+    """Every rank runs on this machine: gloo listens on the loopback interface only."""
 
 
 def plan_launch(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchPlan:
@@ -64,8 +83,8 @@ def plan_launch(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchPlan:
     if args.distributed_init_method is None:
         if args.distributed_rank != 0:
             raise ConfigError("--distributed-rank needs --distributed-init-method to reach the other nodes")
-        init_method = f"tcp://127.0.0.1:{_free_port()}" if world_size > 1 else None
-        return LaunchPlan(world_size=world_size, base_rank=0, nprocs=world_size, init_method=init_method)
+        # a private store is made when the processes start (see launch)
+        return LaunchPlan(world_size=world_size, base_rank=0, nprocs=world_size, init_method=None)
     nprocs = args.distributed_gpus or _default_local_processes(args)
     if args.distributed_rank + nprocs > world_size:
         raise ConfigError(
@@ -97,41 +116,46 @@ def _default_local_processes(args: argparse.Namespace) -> int:
     return 1
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
-    """Run ``train_fn`` in every process this command is responsible for, each with its own per-process values."""
+    """Run ``train_fn`` in every process this command is responsible for.
+
+    One process without a group runs here; the ranks of a distributed job run in spawned
+    worker processes (see :mod:`hetfair.distributed.supervisor`), also when this command
+    starts only one of them.
+    """
     plan = plan_launch(args, os.environ)
+    check_sharding(ShardingConfig.from_args(args), plan.world_size)
     check_counts(args, plan.nprocs)
-    if plan.nprocs == 1:
-        _run_process(0, args, plan, train_fn)
+    if plan.world_size == 1:
+        with interrupt_on_sigterm():
+            args = for_process(args, 0)
+            train_fn(args, DistributedContext(rank=0, world_size=1, local_rank=0, device=_device_for(args, 0)))
         return
+    with _rendezvous_for(plan, args) as plan:
+        run_workers(plan.nprocs, plan.base_rank, _run_rank, (args, plan, train_fn))
+
+
+@contextmanager
+def _rendezvous_for(plan: LaunchPlan, args: argparse.Namespace) -> Iterator[LaunchPlan]:
+    """The plan with its store and secret: a private file store for a one-command job (removed after)."""
+    if plan.init_method is not None:
+        if plan.use_env_store:
+            yield plan
+            return
+        address = parse_init_method(plan.init_method, os.environ)
+        yield replace(plan, secret=job_secret(args.distributed_secret, address, os.environ),
+                      local_only=address.is_loopback)
+        return
+    directory = tempfile.mkdtemp(prefix="hetfair-rendezvous-")  # mode 0700: this user only
     try:
-        mp.spawn(_spawned_process, args=(args, plan, train_fn), nprocs=plan.nprocs, join=True)
-    except mp.ProcessExitedException as exc:
-        raise DistributedError(
-            f"process of rank {plan.base_rank + exc.error_index} exited with code {exc.exit_code}; "
-            f"the other local processes were stopped (see its message above)"
-        ) from exc
-    except mp.ProcessRaisedException as exc:
-        raise DistributedError(
-            f"process of rank {plan.base_rank + exc.error_index} failed: {_last_line(str(exc))}"
-        ) from exc
+        yield replace(plan, init_method=f"file://{directory}/store", secret=private_secret().encode(),
+                      local_only=True)
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
-def _spawned_process(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn: TrainFunction) -> None:
-    try:
-        _run_process(index, args, plan, train_fn)
-    except HetfairError as exc:
-        print(f"hetfair-train: error: [rank {plan.base_rank + index}] {exc}", file=sys.stderr, flush=True)
-        sys.exit(exc.exit_code)
-
-
-def _run_process(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn: TrainFunction) -> None:
+def _run_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn: TrainFunction) -> None:
+    """One rank, in its worker process: join the group, train, leave the group in order."""
     args = for_process(args, index)
     if args.user_dir:
         import_user_dir(args.user_dir)  # spawned processes start with a fresh interpreter
@@ -143,35 +167,42 @@ def _run_process(index: int, args: argparse.Namespace, plan: LaunchPlan, train_f
         train_fn(args, context)
     except (RuntimeError, dist.DistBackendError) as exc:
         # no orderly group shutdown here: it would wait for the peer that is gone
-        if context.is_distributed and _looks_like_lost_peer(exc):
+        if _looks_like_lost_peer(exc):
             raise DistributedError(
                 f"rank {context.rank} lost contact with the other ranks ({first_line(exc)}); "
                 f"a process probably died or stalled longer than --distributed-timeout"
             ) from exc
         raise
-    if dist.is_initialized():
-        # nobody leaves before everyone is done: rank 0 hosts the store the others still hold
-        dist.barrier()
-        dist.destroy_process_group()
+    # nobody leaves before everyone is done: rank 0 hosts the store the others still hold
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan) -> DistributedContext:
+    """Meet the other ranks and build the process group, in at most ``--distributed-timeout`` (+ grace)."""
     rank = plan.base_rank + index
     local_rank = plan.local_rank_offset + index
     device = _device_for(args, local_rank)
-    if plan.world_size == 1:
-        return DistributedContext(rank=0, world_size=1, local_rank=0, device=device)
     backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
-    timeout = timedelta(seconds=args.distributed_timeout)
+    timeout = args.distributed_timeout
     assert plan.init_method is not None
+    if plan.local_only and backend == "gloo":
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # unreachable from other machines
+    pg_timeout = timedelta(seconds=timeout)
+    limit = timeout + _RENDEZVOUS_GRACE_SECONDS  # the waits inside end first; these deadlines catch C++ hangs
     if plan.use_env_store:
-        dist.init_process_group(backend, init_method="env://", rank=rank, world_size=plan.world_size,
-                                timeout=timeout)
-    else:
-        store = create_store(plan.init_method, rank, plan.world_size, args.distributed_timeout)
-        check_in(store, rank, plan.world_size, args.distributed_timeout)
+        with deadline(limit, f"rank {rank} could not join the process group through env:// within {timeout:.0f}s"):
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=plan.world_size,
+                                    timeout=pg_timeout)
+        return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=local_rank, device=device)
+    address = parse_init_method(plan.init_method, os.environ)
+    with deadline(limit, f"rank {rank} got no answer from the rendezvous {plan.init_method} within {timeout:.0f}s; "
+                         f"check that it is rank 0's address and that no other program listens there"):
+        store = create_store(address, rank, plan.world_size, timeout)
+    with deadline(limit, f"rank {rank} checked in but the process group did not form within {timeout:.0f}s"):
+        check_in(store, rank, plan.world_size, timeout, plan.secret)
         dist.init_process_group(backend, store=dist.PrefixStore("hetfair/pg", store), rank=rank,
-                                world_size=plan.world_size, timeout=timeout)
+                                world_size=plan.world_size, timeout=pg_timeout)
     return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=local_rank, device=device)
 
 
@@ -194,6 +225,3 @@ def _looks_like_lost_peer(exc: BaseException) -> bool:
 
 
 
-def _last_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[-1] if lines else text

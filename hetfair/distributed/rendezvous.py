@@ -1,89 +1,290 @@
-"""Meeting of all ranks through a tcp://, file:// or env:// store, with clear errors.
+"""Meeting of all ranks through a tcp:// or file:// store, with clear errors and signed messages.
 
-Before the process group is created every rank checks in through the store:
-a rank whose ``--distributed-world-size`` differs from rank 0's aborts the whole
-group with a message naming both values, and ranks that never arrive are
-reported after ``--distributed-timeout`` instead of waiting forever.
+Before the process group is created every rank checks in through the store: a rank
+whose ``--distributed-world-size`` differs from rank 0's aborts the whole group with a
+message naming both values, and ranks that never arrive are reported after
+``--distributed-timeout`` instead of waiting forever.
+
+**Who may talk to the store.** A store on a loopback address (``tcp://127.0.0.1:…``) listens
+on that address only, and a local ``--distributed-world-size N`` run meets in a ``file://``
+store in a directory only its user can read; gloo then also listens on the loopback
+interface only. A store on any other address listens on every interface, and torch's
+``TCPStore`` has no authentication: whoever reaches the port can read and write keys. So
+such a job needs a shared secret (``--distributed-secret`` or
+:data:`SECRET_ENV`): rank 0's check-in, every arrival and the abort message carry an
+HMAC-SHA256 over the key, the value and a per-job nonce, and ranks act only on values
+whose signature verifies. An unsigned abort message is ignored; a replayed one from
+another job fails on the nonce. What the secret does not cover: the process group's
+own keys (gloo's addresses), which torch reads unauthenticated after the check-in.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import ipaddress
 import os
+import secrets
+import socket
 import time
+from dataclasses import dataclass
 from datetime import timedelta
+from typing import Mapping, Optional
 from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from hetfair.errors import DistributedError, first_line
+from hetfair.errors import ConfigError, DistributedError, first_line
 
+SECRET_ENV = "HETFAIR_SECRET"
 _WORLD_SIZE_KEY = "hetfair/world_size"
-_ARRIVED_KEY = "hetfair/arrived"
+_ARRIVED_KEY = "hetfair/arrived/"
 _ABORT_KEY = "hetfair/abort"
+_POLL_SECONDS = 0.05
+_HOST_GRACE_SECONDS = 3.0
 
 
-def create_store(init_method: str, rank: int, world_size: int, timeout: float) -> dist.Store:
-    """Open the key-value store named by ``init_method`` (rank 0 hosts a tcp:// store)."""
+@dataclass(frozen=True)
+class StoreAddress:
+    """Where the ranks meet: ``tcp`` (host, port) or ``file`` (path)."""
+
+    scheme: str
+    host: str = ""
+    port: int = 0
+    path: str = ""
+
+    @property
+    def is_loopback(self) -> bool:
+        """A tcp store on a loopback address: only this machine can reach it."""
+        return self.scheme == "tcp" and _is_loopback(self.host)
+
+
+def parse_init_method(init_method: str, env: Mapping[str, str]) -> StoreAddress:
+    """``tcp://HOST:PORT``, ``file:///path`` or ``env://`` (MASTER_ADDR/MASTER_PORT) as a :class:`StoreAddress`."""
     url = urlparse(init_method)
     if url.scheme == "env":
-        host, port = os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT")
+        host, port = env.get("MASTER_ADDR"), env.get("MASTER_PORT")
         if not host or not port:
             raise DistributedError("env:// needs MASTER_ADDR and MASTER_PORT in the environment")
         url = urlparse(f"tcp://{host}:{port}")
     if url.scheme == "tcp":
-        if not url.hostname or not url.port:
-            raise DistributedError(f"--distributed-init-method {init_method}: expected tcp://HOST:PORT")
         try:
-            return dist.TCPStore(
-                url.hostname, url.port, world_size, is_master=rank == 0,
-                timeout=timedelta(seconds=timeout), wait_for_workers=False,
-            )
-        except RuntimeError as exc:
-            role = "listen on" if rank == 0 else "reach rank 0 at"
-            raise DistributedError(
-                f"rank {rank} could not {role} {url.hostname}:{url.port} within {timeout:.0f}s: {first_line(exc)}"
-            ) from exc
+            port = url.port
+        except ValueError:
+            port = None
+        if not url.hostname or not port:
+            raise DistributedError(f"--distributed-init-method {init_method}: expected tcp://HOST:PORT")
+        return StoreAddress("tcp", host=url.hostname, port=port)
     if url.scheme == "file":
-        path = url.path
-        if not os.path.isdir(os.path.dirname(path) or "."):
-            raise DistributedError(f"--distributed-init-method {init_method}: directory of {path} does not exist")
-        return dist.FileStore(path, world_size)
+        return StoreAddress("file", path=url.path)
     raise DistributedError(
         f"--distributed-init-method {init_method}: unsupported scheme; use tcp://HOST:PORT, file:///path or env://"
     )
 
 
-def check_in(store: dist.Store, rank: int, world_size: int, timeout: float) -> None:
-    """Wait until all ``world_size`` ranks have arrived and agree on the world size."""
-    if rank == 0:
-        store.set(_WORLD_SIZE_KEY, str(world_size))
-    else:
+def _is_loopback(host: str) -> bool:
+    try:
+        infos = socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        return False
+    return bool(infos) and all(ipaddress.ip_address(info[4][0]).is_loopback for info in infos)
+
+
+def job_secret(given: Optional[str], address: StoreAddress, env: Mapping[str, str]) -> Optional[bytes]:
+    """The secret that signs this job's check-in: ``--distributed-secret``, else :data:`SECRET_ENV`.
+
+    A tcp store that other machines can reach needs one; on a loopback address, or in a file
+    (whose permissions say who may write it), the job also runs without.
+    """
+    secret = given or env.get(SECRET_ENV)
+    if secret:
+        return secret.encode()
+    if address.scheme == "tcp" and not address.is_loopback:
+        raise ConfigError(
+            f"the rendezvous at {address.host}:{address.port} can be reached from other machines: give every "
+            f"node's command the same secret in the {SECRET_ENV} environment variable (or --distributed-secret), "
+            f"e.g. {SECRET_ENV}=$(python -c 'import secrets; print(secrets.token_hex(16))')"
+        )
+    return None
+
+
+def private_secret() -> str:
+    """A fresh random secret for a job whose ranks all start from one command."""
+    return secrets.token_hex(16)
+
+
+def loopback_interface() -> str:
+    """The name of the loopback network interface (``lo`` on Linux, ``lo0`` on macOS)."""
+    names = [name for _, name in socket.if_nameindex()]
+    return next((name for name in names if name.startswith("lo")), "lo")
+
+
+def create_store(address: StoreAddress, rank: int, world_size: int, timeout: float) -> dist.Store:
+    """Open the key-value store at ``address``: rank 0 hosts a tcp store, the others connect.
+
+    A tcp store on a loopback address listens on that address only (torch's own would listen
+    on every interface). A client first waits until rank 0's port accepts connections, so that
+    a missing rank 0 is one error line after ``timeout`` seconds.
+    """
+    if address.scheme == "file":
+        if not os.path.isdir(os.path.dirname(address.path) or "."):
+            raise DistributedError(f"--distributed-init-method file://{address.path}: directory does not exist")
+        store = dist.FileStore(address.path, world_size)
+        store.set_timeout(timedelta(seconds=timeout))
+        return store
+    deadline = time.monotonic() + timeout
+    try:
+        if rank == 0:
+            return _host_tcp_store(address, world_size, timeout)
+        _wait_until_reachable(address, rank, deadline, timeout)
+        return dist.TCPStore(address.host, address.port, world_size, is_master=False,
+                             timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
+    except (RuntimeError, OSError) as exc:
+        role = "listen on" if rank == 0 else "reach rank 0 at"
+        raise DistributedError(
+            f"rank {rank} could not {role} {address.host}:{address.port}: {first_line(exc)}"
+        ) from exc
+
+
+def _host_tcp_store(address: StoreAddress, world_size: int, timeout: float) -> dist.Store:
+    listen_fd = None
+    if address.is_loopback:
+        family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+        listener = socket.socket(family, socket.SOCK_STREAM)
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((address.host, address.port))
+        listener.listen(max(128, world_size))
+        listen_fd = listener.detach()  # the store owns the socket from now on
+    return dist.TCPStore(address.host, address.port, world_size, is_master=True,
+                         timeout=timedelta(seconds=timeout), wait_for_workers=False, master_listen_fd=listen_fd)
+
+
+def _wait_until_reachable(address: StoreAddress, rank: int, deadline: float, timeout: float) -> None:
+    while True:
         try:
-            expected = int(store.get(_WORLD_SIZE_KEY))
-        except RuntimeError as exc:
-            raise DistributedError(
-                f"rank {rank}: rank 0 did not appear within {timeout:.0f}s ({first_line(exc)}); "
-                f"start rank 0's command or check --distributed-init-method"
-            ) from exc
-        if expected != world_size:
+            with socket.create_connection((address.host, address.port), timeout=max(0.1, deadline - time.monotonic())):
+                return
+        except OSError as exc:
+            if time.monotonic() >= deadline:
+                raise DistributedError(
+                    f"rank {rank} could not reach rank 0 at {address.host}:{address.port} within {timeout:.0f}s "
+                    f"({exc.strerror or exc}); start rank 0's command or check --distributed-init-method"
+                ) from None
+        time.sleep(0.2)
+
+
+class _Signer:
+    """HMAC-SHA256 signatures of store values (or none, for a private store without a secret)."""
+
+    def __init__(self, secret: Optional[bytes]) -> None:
+        self.secret = secret
+
+    def sign(self, key: str, value: str) -> str:
+        if self.secret is None:
+            return value
+        return f"{self._mac(key, value)}:{value}"
+
+    def verify(self, key: str, stored: bytes) -> Optional[str]:
+        """The value if its signature is valid, else ``None``."""
+        text = stored.decode("utf-8", errors="replace")
+        if self.secret is None:
+            return text
+        mac, sep, value = text.partition(":")
+        return value if sep and hmac.compare_digest(mac, self._mac(key, value)) else None
+
+    def _mac(self, key: str, value: str) -> str:
+        assert self.secret is not None
+        return hmac.new(self.secret, f"{key}\0{value}".encode(), hashlib.sha256).hexdigest()
+
+
+class _CheckIn:
+    """One rank's check-in: rank 0 publishes the world size and a nonce; everyone signs its arrival."""
+
+    def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float,
+                 secret: Optional[bytes]) -> None:
+        self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
+        self.signer = _Signer(secret)
+        # rank 0 hosts the store: it gives up last, so the others can still tell their own story
+        self.deadline = time.monotonic() + timeout + (_HOST_GRACE_SECONDS if rank == 0 else 0.0)
+        self.nonce = ""
+        self.saw_unsigned = False
+
+    def run(self) -> None:
+        if self.rank == 0:
+            self.nonce = secrets.token_hex(8)
+            self.store.set(_WORLD_SIZE_KEY, self.signer.sign(_WORLD_SIZE_KEY, f"{self.world_size}|{self.nonce}"))
+        else:
+            self._read_rank0_world_size()
+        key = f"{_ARRIVED_KEY}{self.rank}"
+        self.store.set(key, self.signer.sign(key, self.nonce))
+        keys = [f"{_ARRIVED_KEY}{r}" for r in range(self.world_size)]
+        while not (self.store.check(keys) and self._arrived(keys) == self.world_size):
+            self._check_abort()
+            if time.monotonic() > self.deadline:
+                raise DistributedError(
+                    f"only {self._arrived(keys)} of {self.world_size} processes joined within {self.timeout:.0f}s; "
+                    f"start every node's command with the same --distributed-init-method, or raise "
+                    f"--distributed-timeout{self._secret_hint()}"
+                )
+            time.sleep(_POLL_SECONDS)
+
+    def _read_rank0_world_size(self) -> None:
+        while True:
+            if self.store.check([_WORLD_SIZE_KEY]):
+                value = self.signer.verify(_WORLD_SIZE_KEY, self.store.get(_WORLD_SIZE_KEY))
+                if value is not None:
+                    break
+                if not self.saw_unsigned:  # let rank 0 see a check-in it cannot verify: it points at the secret
+                    key = f"{_ARRIVED_KEY}{self.rank}"
+                    self.store.set(key, self.signer.sign(key, "unverified"))
+                self.saw_unsigned = True
+            if time.monotonic() > self.deadline:
+                raise DistributedError(
+                    f"rank {self.rank}: rank 0 did not check in within {self.timeout:.0f}s; start rank 0's command "
+                    f"or check --distributed-init-method{self._secret_hint()}"
+                )
+            time.sleep(_POLL_SECONDS)
+        expected, _, self.nonce = value.partition("|")
+        if expected != str(self.world_size):
             message = (
-                f"rank {rank} was started with --distributed-world-size {world_size} but rank 0 with "
+                f"rank {self.rank} was started with --distributed-world-size {self.world_size} but rank 0 with "
                 f"{expected}; give every node's command the same --distributed-world-size"
             )
-            store.set(_ABORT_KEY, message)
+            self.store.set(_ABORT_KEY, self.signer.sign(f"{_ABORT_KEY}|{self.nonce}", message))
             raise DistributedError(message)
-    store.add(_ARRIVED_KEY, 1)
-    deadline = time.monotonic() + timeout
-    while True:
-        if store.check([_ABORT_KEY]):
-            raise DistributedError(store.get(_ABORT_KEY).decode())
-        arrived = store.add(_ARRIVED_KEY, 0)
-        if arrived >= world_size:
-            return
-        if time.monotonic() > deadline:
-            raise DistributedError(
-                f"only {arrived} of {world_size} processes joined within {timeout:.0f}s; start every node's "
-                f"command with the same --distributed-init-method, or raise --distributed-timeout"
-            )
-        time.sleep(0.05)
 
+    def _arrived(self, keys: list[str]) -> int:
+        count = 0
+        for key in keys:
+            if self.store.check([key]):
+                if self.signer.verify(key, self.store.get(key)) == self.nonce:
+                    count += 1
+                else:
+                    self.saw_unsigned = True
+        return count
+
+    def _check_abort(self) -> None:
+        if not self.store.check([_ABORT_KEY]):
+            return
+        message = self.signer.verify(f"{_ABORT_KEY}|{self.nonce}", self.store.get(_ABORT_KEY))
+        if message is None:
+            self.saw_unsigned = True  # not from this job: ignored
+            return
+        raise DistributedError(message)
+
+    def _secret_hint(self) -> str:
+        if not self.saw_unsigned:
+            return ""
+        return (f" (the store holds check-in values not signed with this node's secret: give every node the same "
+                f"{SECRET_ENV})")
+
+
+def check_in(store: dist.Store, rank: int, world_size: int, timeout: float, secret: Optional[bytes]) -> None:
+    """Wait until all ``world_size`` ranks have arrived and agree on the world size."""
+    try:
+        _CheckIn(store, rank, world_size, timeout, secret).run()
+    except (RuntimeError, OSError) as exc:  # the store's host (rank 0) went away
+        raise DistributedError(
+            f"rank {rank} lost the rendezvous store during the check-in ({first_line(exc)}); rank 0 stopped, "
+            f"see its message"
+        ) from exc

@@ -5,7 +5,8 @@ rank fills only its own slot) is packed into one float64 vector. Two extra
 slots let all ranks agree, from the same reduced vector, whether that was
 valid: a fingerprint of the key set (identical keys on all ranks sum to
 ``world_size * fingerprint``) and a count of ranks holding values that cannot
-be summed. If either check fails, every rank falls back to an object gather.
+be summed. If either check fails, every rank falls back to gathering every rank's logs as
+JSON in a byte tensor (never pickled objects: no rank unpickles what a peer sends).
 Criteria must therefore log the same keys for every batch (the trainer logs
 zeros under the same keys for a rank without data).
 """
@@ -20,7 +21,7 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from hetfair.distributed.collectives import comm_device
+from hetfair.distributed.collectives import all_gather_json, comm_device
 from hetfair.distributed.context import DistributedContext
 
 
@@ -100,12 +101,16 @@ def sync_stats(
                 key: values[len(keys) + i * world : len(keys) + (i + 1) * world] for i, key in enumerate(rank_keys)
             },
         )
-    return _gather_objects(context, totals, per_rank)
+    return _gather_json(context, totals, per_rank)
 
 
-def _gather_objects(context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float]) -> SyncedStats:
-    gathered: list[Any] = [None] * context.world_size
-    dist.all_gather_object(gathered, (totals, per_rank))
+def _plain(value: Any) -> Any:
+    """A one-element tensor as its number, so that it travels as JSON."""
+    return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
+
+
+def _gather_json(context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float]) -> SyncedStats:
+    gathered = all_gather_json(context, [{k: _plain(v) for k, v in totals.items()}, per_rank])
     merged: dict[str, Any] = {}
     for rank_totals, _ in gathered:
         sum_logs(merged, rank_totals)

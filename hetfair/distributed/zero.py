@@ -51,8 +51,7 @@ def build_optimizer(
     """``recipe``'s optimizer over ``params`` (its flags in ``args``), sharded across ranks for ``os``."""
     if sharding.zero_sharding == "none":
         return recipe.build(args, params)
-    if not context.is_distributed:
-        raise ConfigError("--zero-sharding os needs more than one process (--distributed-world-size N)")
+    check_sharding(sharding, context.world_size)
     weights = (parse_shard_weights(sharding.zero_shard_weights, context.world_size)
                if sharding.zero_shard_weights else None)
     from hetfair.distributed.zero_optimizer import ShardedOptimizer  # torch.distributed.optim costs 0.65 s to import
@@ -75,19 +74,29 @@ def check_ranks_agree(sharding: ShardingConfig, context: DistributedContext) -> 
         )
 
 
-def parse_shard_weights(text: str, world_size: int) -> list[float]:
-    """``--zero-shard-weights`` as one positive weight per rank."""
+def parse_shard_weights(text: str, world_size: Optional[int] = None) -> list[float]:
+    """``--zero-shard-weights`` as positive weights, one per rank (the count is checked when given)."""
     try:
         weights = [float(value) for value in text.split(",")]
     except ValueError:
         raise ConfigError(f"--zero-shard-weights must be numbers like '1,1,2', got '{text}'") from None
-    if len(weights) != world_size:
+    if not all(math.isfinite(w) and w > 0 for w in weights):
+        raise ConfigError(f"--zero-shard-weights must all be positive numbers, got '{text}'")
+    if world_size is not None and len(weights) != world_size:
         raise ConfigError(
             f"--zero-shard-weights has {len(weights)} weights but there are {world_size} ranks; give one per rank"
         )
-    if not all(math.isfinite(w) and w > 0 for w in weights):
-        raise ConfigError(f"--zero-shard-weights must all be positive numbers, got '{text}'")
     return weights
+
+
+def check_sharding(sharding: ShardingConfig, world_size: int) -> None:
+    """What can be checked once the world size is known, before any process starts."""
+    if sharding.zero_sharding == "none":
+        return
+    if world_size < 2:
+        raise ConfigError("--zero-sharding os needs more than one process (--distributed-world-size N)")
+    if sharding.zero_shard_weights:
+        parse_shard_weights(sharding.zero_shard_weights, world_size)
 
 
 def is_sharded(optimizer: torch.optim.Optimizer) -> bool:

@@ -1,0 +1,318 @@
+"""The local worker processes of one command: started, watched and stopped together.
+
+* Every worker reports why it ends through its own pipe; the launcher turns the first
+  failure into one error line (the root cause: the rank that failed first) and stops
+  the others.
+* SIGINT or SIGTERM to the launcher stops every worker: SIGTERM first (a worker turns it
+  into KeyboardInterrupt, so a checkpoint being written is cleaned up), SIGKILL after
+  :data:`STOP_GRACE_SECONDS`. Workers start with SIGINT ignored, so Ctrl-C in a terminal
+  reaches the launcher alone and prints one line, not one traceback per process.
+* A worker whose launcher dies (even by SIGKILL) gets SIGTERM from the kernel (Linux) or
+  notices within a second.
+* A worker leaves with ``os._exit``: torch's gloo and store threads outlive
+  ``destroy_process_group`` (the process group stays referenced once DDP used it), and
+  running the interpreter's finalization and C++ static destructors while they are alive
+  is what ended ranks with SIGABRT ("terminate called without an active exception").
+"""
+
+from __future__ import annotations
+
+import ctypes
+import multiprocessing as mp
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from contextlib import contextmanager
+from dataclasses import dataclass
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
+
+from hetfair.errors import DistributedError, HetfairError, Interrupted, first_line
+
+STOP_GRACE_SECONDS = 2.0
+_POLL_SECONDS = 0.25
+_PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class WorkerReport:
+    """Why a worker ended, sent to the launcher just before it exits."""
+
+    rank: int
+    message: str
+    exit_code: int
+
+
+# -- inside a worker ---------------------------------------------------------------
+
+_report_channel: Optional[tuple[int, Connection]] = None  # this worker's rank and pipe (set once per process)
+
+
+def give_up(message: str, exit_code: int = 2) -> NoReturn:
+    """End this worker now with one reported line, even from another thread (e.g. a watchdog).
+
+    For waits that cannot be interrupted from Python (a store connection that never answers).
+    """
+    if _report_channel is not None:
+        rank, channel = _report_channel
+        _send(channel, WorkerReport(rank, message, exit_code))
+    else:
+        print(f"hetfair-train: error: {message}", file=sys.stderr)
+    _flush()
+    os._exit(exit_code)
+
+
+@contextmanager
+def deadline(seconds: float, message: str) -> Iterator[None]:
+    """Run the block; if it is not done after ``seconds``, :func:`give_up` with ``message``."""
+    timer = threading.Timer(seconds, give_up, args=(message,))
+    timer.daemon = True
+    timer.start()
+    try:
+        yield
+    finally:
+        timer.cancel()
+        timer.join()
+
+
+def _worker_main(index: int, rank: int, channel: Connection, launcher_pid: int,
+                 target: Callable[..., None], target_args: tuple[Any, ...]) -> None:
+    global _report_channel
+    _report_channel = (rank, channel)
+    _exit_with_launcher(launcher_pid)
+    signal.signal(signal.SIGTERM, _interrupt_once)
+    report = WorkerReport(rank, "", 0)
+    try:
+        target(index, *target_args)
+    except HetfairError as exc:
+        report = WorkerReport(rank, str(exc).replace("\n", " "), exc.exit_code)
+    except KeyboardInterrupt:
+        report = WorkerReport(rank, "interrupted", 130)
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else 1
+        report = WorkerReport(rank, f"exited with code {code}", code)
+    except BaseException as exc:  # noqa: BLE001 - a bug: keep its traceback, report one line
+        traceback.print_exc()
+        report = WorkerReport(rank, f"{type(exc).__name__}: {first_line(exc)} (traceback above)", 1)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nothing may interrupt the report
+    _send(channel, report)
+    _flush()
+    os._exit(report.exit_code)
+
+
+def _interrupt_once(signum: int, frame: Any) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the clean-up
+    raise KeyboardInterrupt
+
+
+def _exit_with_launcher(launcher_pid: int) -> None:
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):  # not Linux: watch the parent instead
+        threading.Thread(target=_watch_launcher, args=(launcher_pid,), daemon=True).start()
+    if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+        os._exit(1)
+
+
+def _watch_launcher(launcher_pid: int) -> None:
+    while os.getppid() == launcher_pid:
+        time.sleep(1.0)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _send(channel: Connection, report: WorkerReport) -> None:
+    try:
+        channel.send(report)
+    except OSError:
+        pass  # the launcher is gone
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+
+
+# -- in the launcher -----------------------------------------------------------------
+
+
+@contextmanager
+def interrupt_on_sigterm() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt in the block, as Ctrl-C does (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _interrupt_once)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_workers(count: int, first_rank: int, target: Callable[..., None], target_args: tuple[Any, ...]) -> None:
+    """Run ``target(index, *target_args)`` in ``count`` spawned processes and wait for all of them.
+
+    A worker that fails stops the others and raises its error here as one line; SIGINT or
+    SIGTERM stops them all and raises :class:`Interrupted`.
+    """
+    context = mp.get_context("spawn")
+    pipes = [context.Pipe(duplex=False) for _ in range(count)]
+    processes = [
+        context.Process(target=_worker_main, name=f"hetfair-rank{first_rank + i}",
+                        args=(i, first_rank + i, pipes[i][1], os.getpid(), target, target_args))
+        for i in range(count)
+    ]
+    watch = _Watch(processes, [reader for reader, _ in pipes], first_rank)
+    with _stop_signals() as received:
+        try:
+            _start(processes)
+            for _, writer in pipes:
+                writer.close()  # the workers hold their ends: a dead worker's pipe ends
+            watch.until_done_or_failed(received)
+        finally:
+            stop(processes)
+        watch.collect_reports(timeout=0.5)
+    if received:
+        raise watch.interruption(received[0])
+    failure = watch.failure()
+    if failure is not None:
+        raise failure
+
+
+@contextmanager
+def _stop_signals() -> Iterator[list[int]]:
+    received: list[int] = []
+    if threading.current_thread() is not threading.main_thread():
+        yield received
+        return
+
+    def record(signum: int, frame: Any) -> None:
+        received.append(signum)
+
+    previous = {signum: signal.signal(signum, record) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield received
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+def _start(processes: Sequence[mp.process.BaseProcess]) -> None:
+    """Start the workers with SIGINT ignored (inherited across exec), so that Ctrl-C reaches the launcher only."""
+    in_main_thread = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    try:
+        for process in processes:
+            process.start()
+    finally:
+        if in_main_thread:
+            signal.signal(signal.SIGINT, previous)
+
+
+def stop(processes: Sequence[mp.process.BaseProcess], grace: float = STOP_GRACE_SECONDS) -> None:
+    """SIGTERM every live worker, SIGKILL those still alive after ``grace`` seconds, reap all."""
+    started = [process for process in processes if process.pid is not None]
+    for process in started:
+        if process.exitcode is None:
+            _signal(process.pid, signal.SIGTERM)
+    end = time.monotonic() + grace
+    for process in started:
+        process.join(max(0.0, end - time.monotonic()))
+    for process in started:
+        if process.exitcode is None:
+            _signal(process.pid, signal.SIGKILL)
+    for process in started:
+        process.join()
+
+
+def _signal(pid: int, signum: int) -> None:
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+
+
+class _Watch:
+    """The launcher's view of its workers: who exited in which order, what each reported."""
+
+    def __init__(self, processes: Sequence[mp.process.BaseProcess], readers: list[Connection],
+                 first_rank: int) -> None:
+        self.processes = list(processes)
+        self.readers = dict(enumerate(readers))
+        self.first_rank = first_rank
+        self.reports: dict[int, WorkerReport] = {}
+        self.exit_order: list[int] = []
+
+    def until_done_or_failed(self, received: list[int]) -> None:
+        while True:
+            self._note_exits()
+            failed = any(self.processes[i].exitcode != 0 for i in self.exit_order)
+            if received or failed or len(self.exit_order) == len(self.processes):
+                return
+            waitables = [p.sentinel for p in self.processes if p.exitcode is None] + list(self.readers.values())
+            ready = wait(waitables, timeout=_POLL_SECONDS)
+            self._read([r for r in ready if isinstance(r, Connection)])
+
+    def collect_reports(self, timeout: float) -> None:
+        end = time.monotonic() + timeout
+        while self.readers and time.monotonic() < end:
+            self._read(wait(list(self.readers.values()), timeout=max(0.0, end - time.monotonic())))
+        self._note_exits()
+
+    def _note_exits(self) -> None:
+        for index, process in enumerate(self.processes):
+            if process.exitcode is not None and index not in self.exit_order:
+                self.exit_order.append(index)
+
+    def _read(self, ready: list[Any]) -> None:
+        for index, reader in list(self.readers.items()):
+            if reader not in ready:
+                continue
+            try:
+                report = reader.recv()
+            except (EOFError, OSError):
+                del self.readers[index]
+                continue
+            if isinstance(report, WorkerReport):
+                self.reports[index] = report
+
+    def failure(self) -> Optional[HetfairError]:
+        """The error of the worker that failed first, as one line."""
+        for index in self.exit_order:
+            code = self.processes[index].exitcode
+            if code == 0:
+                continue
+            rank = self.first_rank + index
+            report = self.reports.get(index)
+            if report is not None and report.exit_code != 0:
+                error = DistributedError(f"[rank {rank}] {report.message}")
+                error.exit_code = report.exit_code
+                return error
+            error = DistributedError(f"the process of rank {rank} {_describe_exit(code)}; the others were stopped")
+            error.exit_code = 1
+            return error
+        return None
+
+    def interruption(self, signum: int) -> Interrupted:
+        """One line for a stop by signal; a worker's own account (e.g. of a save it cut short) wins."""
+        detail = next((r.message for r in self.reports.values()
+                       if r.exit_code == Interrupted.exit_code and r.message != "interrupted"), None)
+        name = signal.Signals(signum).name
+        error = Interrupted(detail or f"interrupted by {name}; stopped all {len(self.processes)} worker processes")
+        error.exit_code = 128 + signum
+        return error
+
+
+def _describe_exit(code: Optional[int]) -> str:
+    if code is not None and code < 0:
+        try:
+            return f"was killed by signal {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"

@@ -1,0 +1,74 @@
+"""Bad input to hetfair-train: exit code 2, one line on stderr, no traceback, nothing written.
+
+Every case is refused at start-up, before any model is built or any process is started.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from helpers import TOY_PLUGIN
+from hetfair_cli.train import main as train_main
+
+
+def snapshot(root: Path) -> dict[str, tuple[int, bytes]]:
+    """Every file under ``root`` with its modification time and content."""
+    return {str(p.relative_to(root)): (p.stat().st_mtime_ns, p.read_bytes())
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def toy(save_dir: Path, *extra: str) -> list[str]:
+    return ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--save-dir", str(save_dir), "--max-epoch", "1",
+            "--log-format", "none", *extra]
+
+
+# (flags, fragment of the message); "FILE" stands for an existing regular file
+CASES = [
+    (["--save-dir", "FILE"], "--save-dir FILE is not a directory"),
+    (["--save-dir", "FILE/sub"], "cannot be created: FILE is not a directory"),
+    (["--tensorboard-logdir", "FILE"], "--tensorboard-logdir FILE is not a directory"),
+    (["--restore-file", "missing.pt"], "missing.pt does not exist"),
+    (["--validate-interval", "0"], "--validate-interval must be at least 1, got 0"),
+    (["--save-interval", "0"], "--save-interval must be at least 1, got 0"),
+    (["--log-interval", "0"], "--log-interval must be at least 1, got 0"),
+    (["--lr", "-1"], "--lr must be a finite number of at least 0, got -1.0"),
+    (["--lr", "nan"], "--lr must be a finite number of at least 0, got nan"),
+    (["--lr", "inf"], "--lr must be a finite number of at least 0, got inf"),
+    (["--weight-decay", "-0.1"], "--weight-decay must be a finite number"),
+    (["--clip-norm", "nan"], "--clip-norm must be a finite number"),
+    (["--seed", "-1"], "--seed must be at least 0, got -1"),
+    (["--seed", str(2**64)], "--seed must be at most"),
+    (["--num-workers", "-1"], "--num-workers must be at least 0, got -1"),
+    (["--max-epoch", "0"], "training would never end"),
+    (["--max-epoch", "-2"], "--max-epoch must be at least 0, got -2"),
+    (["--max-sentences-valid", "0"], "--max-sentences-valid must be at least 1, got 0"),
+    (["--keep-last-epochs", "-5"], "--keep-last-epochs must be at least -1, got -5"),
+    (["--distributed-timeout", "0"], "--distributed-timeout must be a positive number"),
+    (["--distributed-timeout", "nan"], "--distributed-timeout must be a positive number"),
+    (["--distributed-port", "70000"], "--distributed-port must be at most 65535"),
+    (["--zero-sharding", "os"], "--zero-sharding os needs more than one process"),
+    (["--zero-sharding", "os", "--zero-shard-weights", "1,x"], "--zero-shard-weights must be numbers"),
+    (["--zero-sharding", "os", "--zero-shard-weights", "1,-1"], "must all be positive"),
+    (["--zero-sharding", "os", "--distributed-world-size", "2", "--zero-shard-weights", "1,2,3"],
+     "--zero-shard-weights has 3 weights but there are 2 ranks"),
+]
+
+
+@pytest.mark.parametrize("flags, message", CASES, ids=[" ".join(flags) for flags, _ in CASES])
+def test_bad_option_is_one_line_exit_2_and_changes_nothing(tmp_path, capsys, flags, message):
+    save_dir = tmp_path / "ckpt"
+    save_dir.mkdir()
+    (save_dir / "checkpoint_last.pt").write_bytes(b"an earlier run's checkpoint")
+    afile = tmp_path / "FILE"
+    afile.write_text("not a directory")
+    flags = [flag.replace("FILE", str(afile)) for flag in flags]
+    before = snapshot(tmp_path)
+    code = train_main(toy(save_dir, *flags))
+    err = capsys.readouterr().err
+    assert code == 2, err
+    assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
+    assert err.startswith("hetfair-train: error: ")
+    assert message.replace("FILE", str(afile)) in err
+    assert snapshot(tmp_path) == before

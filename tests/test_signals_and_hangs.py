@@ -1,0 +1,187 @@
+"""No hang, no stray process: signals to the launcher, a rendezvous that never answers, a lone rank.
+
+Real processes, real signals, real sockets on 127.0.0.1. Time bounds are the issue's own
+("within 5 s", "the timeout plus a few seconds") with headroom for a loaded 2-core machine.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from helpers import TOY_PLUGIN, free_port, is_running, start, worker_pids
+
+# generous for a loaded machine; the launcher itself needs at most ~2.5 s (SIGTERM, 2 s grace, SIGKILL)
+STOP_BOUND_SECONDS = 15
+
+
+def long_run(tmp_path: Path, *extra: str) -> list[str]:
+    return ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--toy-train-size", "100000", "--max-epoch", "50",
+            "--save-dir", str(tmp_path / "ckpt"), "--log-format", "simple", "--log-interval", "20",
+            "--disable-validation", "--save-interval-updates", "50", *extra]
+
+
+def wait_for_line(proc: subprocess.Popen, marker: str, within: float) -> list[str]:
+    lines: list[str] = []
+    deadline = time.monotonic() + within
+    while time.monotonic() < deadline:
+        line = proc.stderr.readline()
+        lines.append(line)
+        if marker in line:
+            return lines
+        if not line and proc.poll() is not None:
+            raise AssertionError(f"process ended before printing {marker!r}: {''.join(lines)}")
+    raise AssertionError(f"no {marker!r} within {within} s")
+
+
+@pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
+def test_a_signal_to_the_launcher_stops_every_worker_with_one_line(tmp_path, signum, exit_code):
+    launcher = start(long_run(tmp_path, "--distributed-world-size", "3"), tmp_path)
+    try:
+        wait_for_line(launcher, "train_inner", within=240)  # all three ranks are training
+        workers = worker_pids(launcher.pid)
+        assert len(workers) == 3
+        os.kill(launcher.pid, signum)
+        sent = time.monotonic()
+        _, err = launcher.communicate(timeout=60)
+        stopped_after = time.monotonic() - sent
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert not [pid for pid in workers if is_running(pid)]
+    assert stopped_after < STOP_BOUND_SECONDS
+    assert launcher.returncode == exit_code
+    name = signal.Signals(signum).name
+    assert err.strip().splitlines() == [f"hetfair-train: interrupted by {name}; stopped all 3 worker processes"]
+
+
+def test_a_crashed_worker_stops_the_others_with_one_line(tmp_path):
+    launcher = start(long_run(tmp_path, "--distributed-world-size", "3"), tmp_path)
+    try:
+        wait_for_line(launcher, "train_inner", within=240)
+        workers = worker_pids(launcher.pid)
+        os.kill(workers[1], signal.SIGKILL)
+        _, err = launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert not [pid for pid in workers if is_running(pid)]
+    assert launcher.returncode == 1
+    [line] = err.strip().splitlines()
+    assert re.fullmatch(r"hetfair-train: error: the process of rank [0-2] was killed by signal SIGKILL; "
+                        r"the others were stopped", line), line
+
+
+def test_sigterm_to_a_single_process_run_is_one_line(tmp_path):
+    proc = start(long_run(tmp_path), tmp_path)
+    try:
+        wait_for_line(proc, "train_inner", within=240)
+        os.kill(proc.pid, signal.SIGTERM)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130
+    assert err.strip().splitlines()[-1] == "hetfair-train: interrupted"
+    assert "Traceback" not in err
+    assert not [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.endswith(".tmp")]
+
+
+def test_workers_stop_when_their_launcher_is_killed(tmp_path):
+    launcher = start(long_run(tmp_path, "--distributed-world-size", "2"), tmp_path)
+    try:
+        wait_for_line(launcher, "train_inner", within=240)
+        workers = worker_pids(launcher.pid)
+        assert len(workers) == 2
+        launcher.kill()
+        launcher.wait()
+        deadline = time.monotonic() + STOP_BOUND_SECONDS
+        while [pid for pid in workers if is_running(pid)] and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [pid for pid in workers if is_running(pid)]
+    finally:
+        for pid in worker_pids(launcher.pid):
+            os.kill(pid, signal.SIGKILL)
+
+
+def test_no_temporary_checkpoint_is_left_by_a_stop(tmp_path):
+    launcher = start(long_run(tmp_path, "--distributed-world-size", "2", "--save-interval-updates", "1"), tmp_path)
+    try:
+        wait_for_line(launcher, "train_inner", within=240)  # saving after every update now
+        os.kill(launcher.pid, signal.SIGTERM)
+        launcher.communicate(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert not [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.endswith(".tmp")]
+
+
+class SilentListener:
+    """A TCP server on 127.0.0.1 that accepts connections and never says a word."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.connections: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._accept, daemon=True)
+        self.thread.start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            self.connections.append(connection)
+
+    def close(self) -> None:
+        self.server.close()
+        for connection in self.connections:
+            connection.close()
+
+
+def rank1_alone(tmp_path: Path, port: int, timeout: int) -> list[str]:
+    return ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--max-epoch", "1", "--save-dir", str(tmp_path / "c"),
+            "--distributed-world-size", "2", "--distributed-rank", "1", "--distributed-gpus", "1",
+            "--distributed-init-method", f"tcp://127.0.0.1:{port}", "--distributed-timeout", str(timeout)]
+
+
+def test_a_rendezvous_that_accepts_and_never_answers_is_one_line_after_the_timeout(tmp_path):
+    listener = SilentListener()
+    timeout = 8
+    try:
+        began = time.monotonic()
+        proc = start(rank1_alone(tmp_path, listener.port, timeout), tmp_path)
+        _, err = proc.communicate(timeout=timeout + 120)
+        elapsed = time.monotonic() - began
+    finally:
+        listener.close()
+    assert listener.connections  # it did get through to the silent listener
+    assert proc.returncode == 2
+    assert err.strip().splitlines() == [
+        f"hetfair-train: error: [rank 1] rank 1 got no answer from the rendezvous tcp://127.0.0.1:{listener.port} "
+        f"within {timeout}s; check that it is rank 0's address and that no other program listens there"]
+    assert elapsed < timeout + 5 + 40  # the timeout, the 5 s grace, and start-up on a loaded machine
+
+
+def test_a_lone_rank_1_is_one_line_after_the_timeout(tmp_path):
+    timeout = 8
+    port = free_port()
+    began = time.monotonic()
+    proc = start(rank1_alone(tmp_path, port, timeout), tmp_path)
+    _, err = proc.communicate(timeout=timeout + 120)
+    elapsed = time.monotonic() - began
+    assert proc.returncode == 2
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith(f"hetfair-train: error: [rank 1] rank 1 could not reach rank 0 at 127.0.0.1:{port} "
+                               f"within {timeout}s")
+    assert elapsed < timeout + 40

@@ -1,0 +1,47 @@
+"""Ranks leave without running the interpreter's shutdown while torch's threads are alive.
+
+torch keeps the gloo process group, its worker and transport threads (and rank 0's store
+thread) alive after ``destroy_process_group`` once DDP used it. Interpreter finalization and
+C++ static destructors running next to those threads is what killed a rank now and then with
+SIGABRT ("terminate called without an active exception"), issue 12 item 7; the stress script
+``benchmarks/stress_teardown.py`` counts such aborts. This test pins the precondition: a
+worker's exit handlers (which run at the start of finalization) never run with those threads
+alive.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import textwrap
+
+from helpers import TESTS_DIR, subprocess_env, train_command
+
+PROBE = """
+    import atexit, json, os, sys
+    sys.path.insert(0, {tests!r})
+    import toy_plugin  # noqa: F401 - registers the toy task
+
+    def record_threads():
+        names = [open(f"/proc/self/task/{{t}}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+        with open(os.path.join({out!r}, f"{{os.getpid()}}.json"), "w") as f:
+            json.dump(names, f)
+
+    atexit.register(record_threads)
+"""
+
+
+def test_no_rank_shuts_python_down_next_to_live_gloo_threads(tmp_path):
+    probe = tmp_path / "exit_probe"
+    probe.mkdir()
+    out = tmp_path / "threads"
+    out.mkdir()
+    (probe / "__init__.py").write_text(textwrap.dedent(PROBE.format(tests=str(TESTS_DIR), out=str(out))))
+    args = ["--user-dir", str(probe), "--task", "toy", "--max-update", "3", "--max-sentences", "8",
+            "--save-dir", str(tmp_path / "ckpt"), "--log-format", "none", "--distributed-world-size", "2"]
+    result = subprocess.run(train_command(*args), cwd=tmp_path, env=subprocess_env(), capture_output=True,
+                            text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    at_exit = [json.loads(path.read_text()) for path in out.iterdir()]
+    launcher = [names for names in at_exit if not any(n.startswith(("gloo", "pt_gloo")) for n in names)]
+    assert len(launcher) == len(at_exit) <= 1, at_exit  # only the launcher (no process group) shuts down
