@@ -16,7 +16,7 @@ import math
 from typing import Any, Sequence
 
 from hetfair.criteria import CRITERION_REGISTRY
-from hetfair.distributed.per_process import parse_per_process, values_of
+from hetfair.distributed.per_process import PerProcessValues, parse_per_process, values_of
 from hetfair.distributed.zero import parse_shard_weights
 from hetfair.errors import ConfigError
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, arch_names, resolve_arch
@@ -66,9 +66,10 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset and batching")
     group.add_argument("--data", metavar="DIR", type=absolute_path, help="data directory of the task")
     group.add_argument("--max-sentences", "--batch-size", metavar="N[,N...]", dest="max_sentences",
+                       type=PerProcessValues(_whole_number, "max_sentences", int),
                        help="samples per process and micro-batch (may differ between nodes); a list gives one "
                             "value per process of this command, e.g. 48,16")
-    group.add_argument("--max-tokens", metavar="N[,N...]",
+    group.add_argument("--max-tokens", metavar="N[,N...]", type=PerProcessValues(_whole_number, "max_tokens", int),
                        help="tokens per process and micro-batch (may differ between nodes); a list gives one "
                             "value per process of this command")
     group.add_argument("--global-batch-size", type=int, metavar="N",
@@ -250,6 +251,8 @@ def _default_problem(action: argparse.Action, value: Any) -> str | None:
 def _value_problem(action: argparse.Action, value: Any) -> str | None:
     """Why ``value`` is no single value of ``action``'s option, or ``None``."""
     convert = action.type
+    if isinstance(convert, PerProcessValues) and not isinstance(value, str):
+        return convert.problem(value)
     if isinstance(value, str):
         if convert is not None:  # argparse converts string defaults like command-line text
             try:
@@ -372,9 +375,6 @@ def validate_args(args: argparse.Namespace) -> None:
     """
     if args.max_sentences is None and args.max_tokens is None:
         raise ConfigError("give a batch size: --max-sentences N (samples per process) or --max-tokens N")
-    for name in ("max_sentences", "max_tokens"):
-        if isinstance(getattr(args, name), str):
-            setattr(args, name, parse_per_process(getattr(args, name), _whole_number, name))
     args.precision = _chosen_precision(args)
     for name, minimum in _INT_MINIMUM.items():
         for value in values_of(getattr(args, name)):

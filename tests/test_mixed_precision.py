@@ -299,7 +299,7 @@ def test_overflows_are_skipped_logged_and_not_counted_as_updates(tmp_path: Path,
 
 def test_reaching_min_loss_scale_stops_with_one_line(tmp_path: Path, capsys) -> None:
     code = train_main(toy_fp16(tmp_path / "ckpt", "--fp16-init-scale", "1e30", "--min-loss-scale", "1e29",
-                               "--log-format", "none"))
+                               "--log-format", "none", "--max-epoch", "1"))
     err = capsys.readouterr().err
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("hetfair-train: error: gradients overflow even at loss scale 1.25e+29, and halving it "

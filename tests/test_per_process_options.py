@@ -20,7 +20,7 @@ def toy(*argv: str) -> argparse.Namespace:
 
 def run_main(capsys: pytest.CaptureFixture[str], tmp_path: Path, *argv: str) -> tuple[int, str]:
     code = train_main(["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--save-dir", str(tmp_path / "ckpt"),
-                       "--log-format", "none", *argv])
+                       "--log-format", "none", "--max-update", "1", *argv])
     return code, capsys.readouterr().err
 
 

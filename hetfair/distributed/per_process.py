@@ -64,3 +64,26 @@ def for_process(args: argparse.Namespace, index: int) -> argparse.Namespace:
     own = {dest: value[index] for dest in PER_PROCESS_OPTIONS
            if isinstance(value := getattr(args, dest, None), tuple)}
     return argparse.Namespace(**{**vars(args), **own}) if own else args
+
+
+class PerProcessValues:
+    """The argparse ``type`` of an option that takes one value or one per local process.
+
+    Text becomes a value or a tuple (:func:`parse_per_process`); a default given as a
+    value (a task's ``option_defaults``) is checked with :meth:`problem`.
+    """
+
+    def __init__(self, convert: Callable[[str], Any], dest: str, kind: type) -> None:
+        self.convert = convert
+        self.dest = dest
+        self.kind = kind
+
+    def __call__(self, text: str) -> Any:
+        return parse_per_process(text, self.convert, self.dest)
+
+    def problem(self, value: Any) -> str | None:
+        """Why ``value`` cannot be this option's value (``None`` when it can)."""
+        items = values_of(value)
+        if all(isinstance(item, self.kind) and not isinstance(item, bool) for item in items):
+            return None
+        return f"takes {self.kind.__name__} values (one, or one per process)"
