@@ -100,3 +100,20 @@ def test_ranks_with_different_ddp_backends_fail_together(tmp_path):
         "--distributed-init-method", init] for rank, backend in enumerate([("--ddp-backend", "fully_sharded"), ()])]
     for result in run_nodes(commands, cwd=tmp_path, timeout=120):
         assert result.returncode == 2 and "(or another --ddp-backend)" in result.stderr, result.stderr
+
+
+def test_fully_sharded_fp16_skips_the_same_overflowing_updates_as_replicated_ranks(tmp_path):
+    """Each rank sees only its gradient shards; the ranks must still agree on every overflow, as DDP ranks do."""
+    fp16 = ("--fp16", "--fp16-init-scale", str(2**18), "--fp16-scale-window", "3", "--max-update", "12",
+            "--max-epoch", "0")
+    sharded = run_cluster(tmp_path, tmp_path / "sharded", [8, 24], fp16)
+    init = f"tcp://127.0.0.1:{free_port()}"
+    commands = [toy_train_args(tmp_path / "ddp", 1, fp16) + [
+        "--max-sentences", str(batch), "--distributed-world-size", "2", "--distributed-rank", str(rank),
+        "--distributed-gpus", "1", "--distributed-init-method", init] for rank, batch in enumerate([8, 24])]
+    for result in run_nodes(commands, cwd=tmp_path):
+        assert result.returncode == 0, result.stderr
+    assert_same(sharded, final_parameters(tmp_path / "ddp"))
+    scales = [torch.load(tmp_path / run / "checkpoint_last.pt", weights_only=True)["loss_scale"]
+              for run in ("sharded", "ddp")]
+    assert scales[0] == scales[1] and scales[0]["scale"] < 2**18  # the same overflows were skipped
