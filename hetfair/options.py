@@ -66,10 +66,11 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset and batching")
     group.add_argument("--data", metavar="DIR", type=absolute_path, help="data directory of the task")
     group.add_argument("--max-sentences", "--batch-size", metavar="N[,N...]", dest="max_sentences",
-                       type=PerProcessValues(_whole_number, "max_sentences", int),
+                       type=PerProcessValues(_whole_number, "max_sentences", int, "an integer"),
                        help="samples per process and micro-batch (may differ between nodes); a list gives one "
                             "value per process of this command, e.g. 48,16")
-    group.add_argument("--max-tokens", metavar="N[,N...]", type=PerProcessValues(_whole_number, "max_tokens", int),
+    group.add_argument("--max-tokens", metavar="N[,N...]",
+                       type=PerProcessValues(_whole_number, "max_tokens", int, "an integer"),
                        help="tokens per process and micro-batch (may differ between nodes); a list gives one "
                             "value per process of this command")
     group.add_argument("--global-batch-size", type=int, metavar="N",
@@ -251,7 +252,7 @@ def _default_problem(action: argparse.Action, value: Any) -> str | None:
 def _value_problem(action: argparse.Action, value: Any) -> str | None:
     """Why ``value`` is no single value of ``action``'s option, or ``None``."""
     convert = action.type
-    if isinstance(convert, PerProcessValues) and not isinstance(value, str):
+    if isinstance(convert, PerProcessValues):
         return convert.problem(value)
     if isinstance(value, str):
         if convert is not None:  # argparse converts string defaults like command-line text

@@ -141,6 +141,6 @@ def test_a_broken_shard_is_one_line(tmp_path, shards, capsys, drop, short, messa
 def test_hdf5_data_needs_its_vocabulary(tmp_path, shards, capsys):
     data, _, config = shards
     code = train_main(["--task", "bert", "--data", str(data), "--config_file", str(config), "--max-sentences", "4",
-                       "--save-dir", str(tmp_path / "c"), "--log-format", "none"])
+                       "--max-update", "1", "--save-dir", str(tmp_path / "c"), "--log-format", "none"])
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and "--dict vocab.txt" in err[0]

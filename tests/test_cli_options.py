@@ -300,7 +300,7 @@ def test_help_shows_the_defaults_in_force(user_dir, capsys):
     out = " ".join(capsys.readouterr().out.split())  # undo line wrapping
     assert "--lr LR peak learning rate (default: 0.25)" in out  # the task's default, not the core one
     assert "--clitest-hidden CLITEST_HIDDEN model flag (default: 4)" in out  # the architecture's
-    assert "--max-epoch N stop after N epochs (0: no limit) (default: 0)" in out
+    assert "--max-epoch N stop after N epochs (0: no limit; --max-epoch or --max-update must set one) (default: 0)" in out
     assert "--cpu train on CPU even when a GPU is present --log-interval" in out  # a switch: no default shown
     assert "(default: None)" not in out
 

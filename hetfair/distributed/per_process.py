@@ -73,17 +73,25 @@ class PerProcessValues:
     value (a task's ``option_defaults``) is checked with :meth:`problem`.
     """
 
-    def __init__(self, convert: Callable[[str], Any], dest: str, kind: type) -> None:
+    def __init__(self, convert: Callable[[str], Any], dest: str, kind: type, description: str) -> None:
         self.convert = convert
         self.dest = dest
         self.kind = kind
+        self.description = description  # e.g. "an integer"
 
     def __call__(self, text: str) -> Any:
         return parse_per_process(text, self.convert, self.dest)
 
     def problem(self, value: Any) -> str | None:
         """Why ``value`` cannot be this option's value (``None`` when it can)."""
-        items = values_of(value)
-        if all(isinstance(item, self.kind) and not isinstance(item, bool) for item in items):
+        if isinstance(value, str):
+            try:
+                self(value)
+            except ConfigError:
+                return f"takes {self.description}"
             return None
-        return f"takes {self.kind.__name__} values (one, or one per process)"
+        for item in values_of(value):
+            if isinstance(item, bool) or not isinstance(item, self.kind):
+                name = type(item).__name__
+                return f"takes {self.description}, not {'an' if name[0] in 'aeiou' else 'a'} {name}"
+        return None
