@@ -59,5 +59,5 @@ def test_the_example_optimizer_settings_follow_the_command_line_on_resume(my_opt
 
 
 def test_the_example_scheduler_checks_its_options(my_optim, tmp_path, capsys):
-    assert train_main(toy(tmp_path / "ckpt", "--lr-shrink", "2")) == 2
+    assert train_main(toy(tmp_path / "ckpt", "--lr-shrink", "2", "--max-update", "1")) == 2
     assert capsys.readouterr().err == "hetfair-train: error: --lr-shrink must be in (0, 1), got 2.0\n"
