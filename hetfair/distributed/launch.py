@@ -31,8 +31,8 @@ import torch
 import torch.distributed as dist
 
 from hetfair.distributed.context import DistributedContext
+from hetfair.distributed.check_in import check_in
 from hetfair.distributed.rendezvous import (
-    check_in,
     create_store,
     job_secret,
     loopback_interface,
