@@ -92,7 +92,6 @@ def test_sigterm_to_a_single_process_run_is_one_line(tmp_path):
     assert proc.returncode == 130
     assert err.strip().splitlines()[-1] == "hetfair-train: interrupted"
     assert "Traceback" not in err
-    assert not [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.endswith(".tmp")]
 
 
 def test_workers_stop_when_their_launcher_is_killed(tmp_path):

@@ -35,9 +35,9 @@ import torch
 import torch.distributed as dist
 
 from hetfair.distributed.context import DistributedContext
+from hetfair.distributed.check_in import check_in
 from hetfair.distributed.per_process import check_counts, for_process
 from hetfair.distributed.rendezvous import (
-    check_in,
     create_store,
     job_secret,
     loopback_interface,
