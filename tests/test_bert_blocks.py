@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from itertools import pairwise
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -10,33 +11,11 @@ import pytest
 from hetfair.bert import dataset
 from hetfair.bert.dataset import build_blocks
 
+_SHARED = str(Path(__file__).resolve().parents[1] / "benchmarks")  # block_reference.py, shared with the benchmark
+if _SHARED not in sys.path:
+    sys.path.append(_SHARED)
 
-def reference_blocks(offsets: np.ndarray, document_index: np.ndarray, budget: int, min_tokens: int = 1
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """The original loop: pack each document's sentences greedily, cutting longer ones into budget pieces."""
-    blocks: list[tuple[int, int]] = []
-    documents: list[int] = []
-
-    def emit(start: int, end: int, document: int) -> None:
-        if end - start >= min_tokens:
-            blocks.append((start, end))
-            documents.append(document)
-
-    for document in range(len(document_index) - 1):
-        first, last = int(document_index[document]), int(document_index[document + 1])
-        bounds = offsets[first:last + 1].tolist()
-        start = bounds[0]
-        for sentence_start, sentence_end in pairwise(bounds):
-            if sentence_end - start <= budget:
-                continue
-            if sentence_start > start:
-                emit(start, sentence_start, document)
-                start = sentence_start
-            while sentence_end - start > budget:
-                emit(start, start + budget, document)
-                start += budget
-        emit(start, bounds[-1], document)
-    return np.array(blocks, dtype=np.int64).reshape(-1, 2), np.array(documents, dtype=np.int64)
+from block_reference import reference_blocks  # noqa: E402
 
 
 def random_corpus(rng: np.random.Generator, n_documents: int, max_sentences: int, max_length: int,
