@@ -82,3 +82,21 @@ def is_running(pid: int) -> bool:
     except OSError:
         return False
     return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def node_commands(common: Sequence[str], batch_sizes: Sequence[int], init_method: str,
+                  *per_node: str) -> list[list[str]]:
+    """One hetfair-train command per rank, each with its own --max-sentences; ranks meet at ``init_method``.
+
+    A single batch size gives one plain single-process command. ``per_node`` flags go to every
+    command of a multi-process job (e.g. ``--ddp-backend fully_sharded``).
+    """
+    world = len(batch_sizes)
+    commands = []
+    for rank, batch in enumerate(batch_sizes):
+        node = ["--max-sentences", str(batch)]
+        if world > 1:
+            node += ["--distributed-world-size", str(world), "--distributed-rank", str(rank),
+                     "--distributed-gpus", "1", "--distributed-init-method", init_method, *per_node]
+        commands.append([*common, *node])
+    return commands

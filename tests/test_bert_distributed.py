@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 from bert_helpers import make_data_dir, write_bert_config
-from helpers import final_parameters, free_port, run_nodes
+from helpers import final_parameters, free_port, node_commands, run_nodes
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +27,7 @@ def run(tmp_path: Path, setup: tuple[Path, Path], batch_sizes: list[int]) -> dic
               "--update-freq", "2", "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--disable-validation",
               "--log-format", "none", "--distributed-timeout", "120"]
     init = f"tcp://127.0.0.1:{free_port()}"
-    commands = []
-    for rank, batch in enumerate(batch_sizes):
-        node = ["--max-sentences", str(batch)]
-        if len(batch_sizes) > 1:
-            node += ["--distributed-world-size", str(len(batch_sizes)), "--distributed-rank", str(rank),
-                     "--distributed-gpus", "1", "--distributed-init-method", init]
-        commands.append(common + node)
-    for result in run_nodes(commands, cwd=tmp_path, timeout=300):
+    for result in run_nodes(node_commands(common, batch_sizes, init), cwd=tmp_path, timeout=300):
         assert result.returncode == 0, result.stderr
     return final_parameters(save_dir)
 

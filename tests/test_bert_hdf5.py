@@ -12,7 +12,7 @@ import torch
 h5py = pytest.importorskip("h5py")
 
 from bert_helpers import SPECIALS, write_bert_config  # noqa: E402
-from helpers import final_parameters, free_port, run_nodes  # noqa: E402
+from helpers import final_parameters, free_port, node_commands, run_nodes  # noqa: E402
 from hetfair.bert.hdf5_dataset import Hdf5BertDataset  # noqa: E402
 from hetfair_cli.train import main as train_main  # noqa: E402
 
@@ -89,14 +89,7 @@ def run(tmp_path: Path, shards: tuple[Path, Path, Path], batch_sizes: list[int],
               "--update-freq", "2", "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--disable-validation",
               "--log-format", "none", "--num-workers", workers, "--distributed-timeout", "120"]
     init = f"tcp://127.0.0.1:{free_port()}"
-    commands = []
-    for rank, batch in enumerate(batch_sizes):
-        node = ["--max-sentences", str(batch)]
-        if len(batch_sizes) > 1:
-            node += ["--distributed-world-size", str(len(batch_sizes)), "--distributed-rank", str(rank),
-                     "--distributed-gpus", "1", "--distributed-init-method", init]
-        commands.append(common + node)
-    for result in run_nodes(commands, cwd=tmp_path, timeout=300):
+    for result in run_nodes(node_commands(common, batch_sizes, init), cwd=tmp_path, timeout=300):
         assert result.returncode == 0, result.stderr
     return final_parameters(save_dir)
 

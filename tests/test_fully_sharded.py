@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TOY_PLUGIN, final_parameters, free_port, run_nodes
+from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, run_nodes
 from hetfair_cli.train import main as train_main
 from hetfair_cli.validate import main as validate_main
 from toy_reference import assert_same, reference_parameters, toy_train_args
@@ -18,16 +18,9 @@ from toy_reference import assert_same, reference_parameters, toy_train_args
 
 def run_cluster(tmp_path: Path, save_dir: Path, batch_sizes: list[int], extra: tuple[str, ...],
                 update_freq: int = 1) -> dict[str, torch.Tensor]:
-    world = len(batch_sizes)
     init = f"tcp://127.0.0.1:{free_port()}"
-    commands = []
-    for rank, batch in enumerate(batch_sizes):
-        node = ["--max-sentences", str(batch)]
-        if world > 1:
-            node += ["--distributed-world-size", str(world), "--distributed-rank", str(rank),
-                     "--distributed-gpus", "1", "--distributed-init-method", init,
-                     "--ddp-backend", "fully_sharded"]
-        commands.append(toy_train_args(save_dir, update_freq, extra) + node)
+    commands = node_commands(toy_train_args(save_dir, update_freq, extra), batch_sizes, init,
+                             "--ddp-backend", "fully_sharded")
     for result in run_nodes(commands, cwd=tmp_path):
         assert result.returncode == 0, result.stderr
     return final_parameters(save_dir)
