@@ -36,6 +36,7 @@ from typing import Any, BinaryIO, Callable, Mapping, Optional, Protocol
 
 import torch
 
+from hetfair.checkpoint_writer import CheckpointWriter, host_snapshot
 from hetfair.errors import CheckpointError, ConfigError, Interrupted, first_line
 from hetfair.utils import check_output_dir
 
@@ -216,12 +217,15 @@ class CheckpointConfig:
     keep_last_epochs: int = -1
     no_epoch_checkpoints: bool = False
     maximize_best_checkpoint_metric: bool = False
+    async_save: bool = False
+    """Write in the background (see :mod:`hetfair.checkpoint_writer`); ``hetfair-train`` does unless
+    given ``--no-async-save``."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "CheckpointConfig":
         return cls(Path(args.save_dir), args.restore_file, args.no_save, args.save_interval,
                    args.save_interval_updates, args.keep_interval_updates, args.keep_last_epochs,
-                   args.no_epoch_checkpoints, args.maximize_best_checkpoint_metric)
+                   args.no_epoch_checkpoints, args.maximize_best_checkpoint_metric, not args.no_async_save)
 
     def check_paths(self) -> None:
         """Fail at start-up when checkpoints could not be written or the named restore file is missing."""
@@ -240,7 +244,9 @@ class Checkpointer:
     """Saves and restores the named stateful ``parts`` of a run; decides file names, prunes old files.
 
     ``save`` is a collective (a sharded optimizer's state is gathered to rank 0): every rank
-    calls it, rank 0 writes. ``options`` are stored as the checkpoint's ``config``.
+    calls it, rank 0 writes, by default on a background thread from a host-memory snapshot
+    (:meth:`check`, :meth:`wait` and :meth:`close` surface a failed write). ``options`` are
+    stored as the checkpoint's ``config``.
     """
 
     def __init__(self, config: CheckpointConfig, parts: Mapping[str, Stateful], options: Mapping[str, Any],
@@ -252,6 +258,7 @@ class Checkpointer:
         self.options = dict(options)
         self.is_master = is_master
         self.best_metric: Optional[float] = None
+        self.writer = CheckpointWriter(background=config.async_save and is_master and not config.no_save)
 
     # -- saving ---------------------------------------------------------------
     def save(self, epoch: int, num_updates: int, end_of_epoch: bool, valid_metric: Optional[float]) -> None:
@@ -265,11 +272,28 @@ class Checkpointer:
         if valid_metric is not None and self.is_better(valid_metric):
             self.best_metric = valid_metric
         state.update(format_version=FORMAT_VERSION, best_metric=self.best_metric, config=self.options)
+        if self.writer.background:
+            state = host_snapshot(state)  # training goes on changing the tensors in place
+        self.writer.submit(lambda: self._write(state, names))
+
+    def _write(self, state: dict[str, Any], names: list[str]) -> None:
         first = self.config.save_dir / names[0]
         atomic_save(state, first)
         for name in names[1:]:
             atomic_copy(first, self.config.save_dir / name)
         self.prune()
+
+    def check(self) -> None:
+        """Raise the error of a background save that failed since the last call (never waits)."""
+        self.writer.check()
+
+    def wait(self) -> None:
+        """Return when every save is on disk; raise the error of one that failed."""
+        self.writer.wait()
+
+    def close(self) -> None:
+        """Like :meth:`wait`, then stop the background writer."""
+        self.writer.close()
 
     def is_better(self, value: float) -> bool:
         if self.best_metric is None:

@@ -57,6 +57,19 @@ class Interrupted(HetfairError):
     exit_code = 130
 
 
+class Preempted(Interrupted):
+    """A scheduler asked the run to stop (SIGTERM or SIGUSR1): it saved checkpoint_last.pt and stopped.
+
+    Exit code 75 (``EX_TEMPFAIL``: try again later) tells a job script to requeue the job.
+    """
+
+    exit_code = 75
+
+    def __init__(self, detail: str, cause: str) -> None:
+        super().__init__(f"preempted by {cause}: {detail}")
+        self.detail = detail
+
+
 _ANSI_CODES = re.compile(r"\x1b\[[0-9;]*m")
 
 

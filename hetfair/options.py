@@ -138,6 +138,9 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--keep-last-epochs", type=int, default=-1, metavar="N",
                        help="keep only the last N epoch checkpoints (-1: all)")
     group.add_argument("--no-epoch-checkpoints", action="store_true", help="only keep last and best")
+    group.add_argument("--no-async-save", action="store_true",
+                       help="write checkpoints on the training thread (default: a host-memory snapshot is "
+                            "written in the background while training goes on)")
     group.add_argument("--best-checkpoint-metric", default="loss", metavar="METRIC",
                        help="validation metric that picks checkpoint_best.pt")
     group.add_argument("--maximize-best-checkpoint-metric", action="store_true",

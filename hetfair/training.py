@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import math
+import signal
 from datetime import timedelta
 from pathlib import Path
 from typing import Optional
@@ -16,9 +17,10 @@ from hetfair.data.epoch_updates import EpochSchedule, EpochUpdates, Update
 from hetfair.data.rank_batches import dummy_batch
 from hetfair.distributed.collectives import all_gather_ints
 from hetfair.distributed.context import DistributedContext
+from hetfair.distributed.preemption import StopAgreement, requested_by
 from hetfair.distributed.stats import UpdateResult
 from hetfair.distributed.zero import shard_report
-from hetfair.errors import ConfigError
+from hetfair.errors import ConfigError, Preempted
 from hetfair.logging.meters import IntervalStats, Stopwatch
 from hetfair.logging.progress import Progress, format_metric
 from hetfair.logging.tensorboard import TensorBoardLogger
@@ -118,6 +120,8 @@ class TrainingRun:
         self.checkpointer = Checkpointer(CheckpointConfig.from_args(args), self._checkpoint_parts(),
                                          plain_config(args), context.is_master)
         self._shards_to_report = args.zero_sharding == "os"
+        self.preemption = StopAgreement(context)
+        self.preempted = False  # every rank agreed to save and stop after the current update
         self._check_best_metric_exists()
         self.restored_from = self._restore()
         self._announce(model)
@@ -134,20 +138,27 @@ class TrainingRun:
 
     # -- the loop ----------------------------------------------------------------
     def run(self) -> None:
+        """Train to the end, or until preempted (then raise :class:`Preempted`); every save is on disk after it."""
         if self.should_stop():
             self._notice(self._nothing_to_do())
             return
         try:
             while not self.should_stop():
                 self.train_epoch()
+            self.preemption.close()
         finally:
             self.progress.end_epoch()
             self.tensorboard.close()
+            self.checkpointer.close()  # the last save is complete (or its error raised) before the process ends
+        if self.preempted:
+            raise Preempted(self._preemption_detail(), self._preemption_cause())
         self._summarize()
 
     def should_stop(self) -> bool:
-        """The stopping rule: ``--max-update`` updates done, or every epoch up to ``--max-epoch`` done."""
+        """The stopping rule: preempted, ``--max-update`` updates done, or every epoch up to ``--max-epoch`` done."""
         args = self.args
+        if self.preempted:
+            return True
         if args.max_update and self.trainer.num_updates >= args.max_update:
             return True
         return bool(args.max_epoch) and self.position.epoch > args.max_epoch
@@ -174,8 +185,11 @@ class TrainingRun:
         for update in updates:
             updates_before = self.trainer.num_updates
             self.train_update(update)
+            self.checkpointer.check()  # a background save that failed stops training here
+            self.preempted = self.preemption.poll()
             end_of_epoch = self.position.samples_done >= len(self.train_data)
-            if self.trainer.num_updates == updates_before:  # skipped (fp16 overflow): nothing new is due
+            skipped = self.trainer.num_updates == updates_before
+            if skipped and not self.preempted:  # skipped (fp16 overflow): nothing new is due
                 if end_of_epoch:
                     break
                 continue
@@ -231,7 +245,8 @@ class TrainingRun:
     # -- what is due between updates and after epochs ----------------------------------
     def after_update(self, stopping: bool, end_of_epoch: bool = False) -> None:
         """Log every ``--log-interval`` updates and at the end of an epoch or run; inside an epoch,
-        validate and save as the ``--*-interval-updates`` say (all of them when ``stopping``)."""
+        validate and save as the ``--*-interval-updates`` say (all of them when ``stopping``, but
+        a preempted run only saves)."""
         args, num_updates = self.args, self.trainer.num_updates
         if num_updates % args.log_interval == 0 or end_of_epoch or stopping:
             self._log("train_inner", self.interval.metrics())
@@ -239,7 +254,7 @@ class TrainingRun:
         if end_of_epoch:
             return  # end_epoch() validates and saves
         valid_metric = None
-        if stopping or _every(args.validate_interval_updates, num_updates):
+        if (stopping and not self.preempted) or _every(args.validate_interval_updates, num_updates):
             valid_metric = self.validate()
         if stopping or _every(args.save_interval_updates, num_updates):
             self.checkpointer.save(self.position.epoch, num_updates, end_of_epoch=False, valid_metric=valid_metric)
@@ -307,6 +322,16 @@ class TrainingRun:
             self._notice("restore | optimizer settings from the command line replace the checkpoint's: " + ", ".join(
                 f"{name} {new} (was {old})" for name, (old, new) in changed.items()))
         return path
+
+    def _preemption_detail(self) -> str:
+        saved = ("no checkpoint written (--no-save)" if self.checkpointer.config.no_save else
+                 f"saved {self.checkpointer.config.save_dir / 'checkpoint_last.pt'}; run the same command to resume")
+        return f"stopped after update {self.trainer.num_updates} (epoch {self.position.epoch}); {saved}"
+
+    @staticmethod
+    def _preemption_cause() -> str:
+        signum = requested_by()
+        return signal.Signals(signum).name if signum is not None else "a signal to another rank"
 
     # -- logging -----------------------------------------------------------------------
     def _notice(self, line: str) -> None:

@@ -12,8 +12,8 @@ Modes, chosen from the options and the environment:
 * otherwise a single process without a process group, in this process.
 
 Every rank of a distributed job runs in a worker process that this command spawns and
-supervises (:mod:`hetfair.distributed.supervisor`): failures, Ctrl-C and SIGTERM end all
-of them with one line.
+supervises (:mod:`hetfair.distributed.supervisor`): failures and Ctrl-C end all of them
+with one line; SIGTERM or SIGUSR1 preempts them (:mod:`hetfair.distributed.preemption`).
 
 Options given per process (``--max-sentences 48,16``, see
 :mod:`hetfair.distributed.per_process`) must list one value per process started
@@ -45,9 +45,10 @@ from hetfair.distributed.rendezvous import (
     private_secret,
 )
 from hetfair.distributed.slurm import first_host, in_slurm_job
-from hetfair.distributed.supervisor import deadline, interrupt_on_sigterm, run_workers
+from hetfair.distributed.preemption import preemptible
+from hetfair.distributed.supervisor import deadline, run_workers
 from hetfair.distributed.zero import ShardingConfig, check_sharding
-from hetfair.errors import ConfigError, DistributedError, first_line
+from hetfair.errors import ConfigError, DistributedError, Preempted, first_line
 from hetfair.plugins import import_user_dir
 
 _RENDEZVOUS_GRACE_SECONDS = 5.0
@@ -127,7 +128,7 @@ def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
     check_sharding(ShardingConfig.from_args(args), plan.world_size)
     check_counts(args, plan.nprocs)
     if plan.world_size == 1:
-        with interrupt_on_sigterm():
+        with preemptible():
             args = for_process(args, 0)
             train_fn(args, DistributedContext(rank=0, world_size=1, local_rank=0, device=_device_for(args, 0)))
         return
@@ -165,6 +166,9 @@ def _run_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn: 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.nprocs))
     try:
         train_fn(args, context)
+    except Preempted:
+        _leave_group()  # every rank stops after the same update: leave in order
+        raise
     except (RuntimeError, dist.DistBackendError) as exc:
         # no orderly group shutdown here: it would wait for the peer that is gone
         if _looks_like_lost_peer(exc):
@@ -173,6 +177,10 @@ def _run_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn: 
                 f"a process probably died or stalled longer than --distributed-timeout"
             ) from exc
         raise
+    _leave_group()
+
+
+def _leave_group() -> None:
     # nobody leaves before everyone is done: rank 0 hosts the store the others still hold
     dist.barrier()
     dist.destroy_process_group()

@@ -3,12 +3,17 @@
 * Every worker reports why it ends through its own pipe; the launcher turns the first
   failure into one error line (the root cause: the rank that failed first) and stops
   the others.
-* SIGINT or SIGTERM to the launcher stops every worker: SIGTERM first (a worker turns it
-  into KeyboardInterrupt, so a checkpoint being written is cleaned up), SIGKILL after
+* SIGINT to the launcher stops every worker now: :data:`STOP_SIGNAL` first (a worker turns
+  it into KeyboardInterrupt, so a checkpoint being written is cleaned up), SIGKILL after
   :data:`STOP_GRACE_SECONDS`. Workers start with SIGINT ignored, so Ctrl-C in a terminal
   reaches the launcher alone and prints one line, not one traceback per process.
-* A worker whose launcher dies (even by SIGKILL) gets SIGTERM from the kernel (Linux) or
-  notices within a second.
+* SIGTERM or SIGUSR1 to the launcher (a scheduler's preemption) is forwarded to every worker
+  as SIGUSR1 (see :mod:`hetfair.distributed.preemption`): they agree on an update, save and
+  exit with the preemption code, which the launcher passes on; it waits for them at most
+  :data:`PREEMPT_GRACE_SECONDS`. A second SIGTERM, or SIGINT, stops them now. Workers start
+  with these signals blocked and unblock them once their handlers are in place.
+* A worker whose launcher dies (even by SIGKILL) gets :data:`STOP_SIGNAL` from the kernel
+  (Linux) or notices within a second.
 * A worker leaves with ``os._exit``: torch's gloo and store threads outlive
   ``destroy_process_group`` (the process group stays referenced once DDP used it), and
   running the interpreter's finalization and C++ static destructors while they are alive
@@ -30,9 +35,16 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
-from hetfair.errors import DistributedError, HetfairError, Interrupted, first_line
+from hetfair.distributed.preemption import PREEMPT_SIGNALS, PREEMPTED_EXIT_CODE, preemptible
+from hetfair.errors import DistributedError, HetfairError, Interrupted, Preempted, first_line
 
 STOP_GRACE_SECONDS = 2.0
+STOP_SIGNAL = signal.SIGUSR2
+"""What the launcher sends a worker to stop it now (SIGTERM asks it to save and stop: preemption)."""
+PREEMPT_GRACE_SECONDS = 300.0
+"""How long the launcher waits for preempted workers to finish their update and save before stopping them."""
+_WORKER_SIGNALS = {*PREEMPT_SIGNALS, STOP_SIGNAL}
+_CLEAN_EXITS = (0, PREEMPTED_EXIT_CODE)  # a preempted worker saved and stopped as asked
 _POLL_SECONDS = 0.25
 _PR_SET_PDEATHSIG = 1
 
@@ -82,11 +94,15 @@ def _worker_main(index: int, rank: int, channel: Connection, launcher_pid: int,
                  target: Callable[..., None], target_args: tuple[Any, ...]) -> None:
     global _report_channel
     _report_channel = (rank, channel)
+    signal.signal(STOP_SIGNAL, _stop_now)
     _exit_with_launcher(launcher_pid)
-    signal.signal(signal.SIGTERM, _interrupt_once)
     report = WorkerReport(rank, "", 0)
     try:
-        target(index, *target_args)
+        with preemptible():
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, _WORKER_SIGNALS)  # blocked by the launcher until now
+            target(index, *target_args)
+    except Preempted as exc:
+        report = WorkerReport(rank, exc.detail, exc.exit_code)  # the launcher names the signal
     except HetfairError as exc:
         report = WorkerReport(rank, str(exc).replace("\n", " "), exc.exit_code)
     except KeyboardInterrupt:
@@ -97,21 +113,23 @@ def _worker_main(index: int, rank: int, channel: Connection, launcher_pid: int,
     except BaseException as exc:  # noqa: BLE001 - a bug: keep its traceback, report one line
         traceback.print_exc()
         report = WorkerReport(rank, f"{type(exc).__name__}: {first_line(exc)} (traceback above)", 1)
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nothing may interrupt the report
+    for signum in _WORKER_SIGNALS:
+        signal.signal(signum, signal.SIG_IGN)  # nothing may interrupt the report
     _send(channel, report)
     _flush()
     os._exit(report.exit_code)
 
 
-def _interrupt_once(signum: int, frame: Any) -> None:
-    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the clean-up
+def _stop_now(signum: int, frame: Any) -> None:
+    for ignored in _WORKER_SIGNALS:
+        signal.signal(ignored, signal.SIG_IGN)  # a second signal must not interrupt the clean-up
     raise KeyboardInterrupt
 
 
 def _exit_with_launcher(launcher_pid: int) -> None:
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        libc.prctl(_PR_SET_PDEATHSIG, STOP_SIGNAL)
     except (OSError, AttributeError):  # not Linux: watch the parent instead
         threading.Thread(target=_watch_launcher, args=(launcher_pid,), daemon=True).start()
     if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
@@ -121,7 +139,7 @@ def _exit_with_launcher(launcher_pid: int) -> None:
 def _watch_launcher(launcher_pid: int) -> None:
     while os.getppid() == launcher_pid:
         time.sleep(1.0)
-    os.kill(os.getpid(), signal.SIGTERM)
+    os.kill(os.getpid(), STOP_SIGNAL)
 
 
 def _send(channel: Connection, report: WorkerReport) -> None:
@@ -142,24 +160,12 @@ def _flush() -> None:
 # -- in the launcher -----------------------------------------------------------------
 
 
-@contextmanager
-def interrupt_on_sigterm() -> Iterator[None]:
-    """SIGTERM raises KeyboardInterrupt in the block, as Ctrl-C does (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, _interrupt_once)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
 def run_workers(count: int, first_rank: int, target: Callable[..., None], target_args: tuple[Any, ...]) -> None:
     """Run ``target(index, *target_args)`` in ``count`` spawned processes and wait for all of them.
 
-    A worker that fails stops the others and raises its error here as one line; SIGINT or
-    SIGTERM stops them all and raises :class:`Interrupted`.
+    A worker that fails stops the others and raises its error here as one line; SIGINT stops
+    them all and raises :class:`Interrupted`; SIGTERM or SIGUSR1 preempts them (they save and
+    stop) and raises :class:`Preempted`.
     """
     context = mp.get_context("spawn")
     pipes = [context.Pipe(duplex=False) for _ in range(count)]
@@ -169,33 +175,66 @@ def run_workers(count: int, first_rank: int, target: Callable[..., None], target
         for i in range(count)
     ]
     watch = _Watch(processes, [reader for reader, _ in pipes], first_rank)
-    with _stop_signals() as received:
+    with _launcher_signals(processes) as received:
         try:
             _start(processes)
             for _, writer in pipes:
                 writer.close()  # the workers hold their ends: a dead worker's pipe ends
+            received.forward_preemption()  # to workers started after the signal came
             watch.until_done_or_failed(received)
         finally:
             stop(processes)
         watch.collect_reports(timeout=0.5)
-    if received:
-        raise watch.interruption(received[0])
+    if received.stop_now is not None:
+        raise watch.interruption(received.stop_now, received.grace_expired)
     failure = watch.failure()
     if failure is not None:
         raise failure
+    preempted = watch.preempted(received.preempt)
+    if preempted is not None:
+        raise preempted
+
+
+class _LauncherSignals:
+    """The signals the launcher got: a preemption to forward, a request to stop now."""
+
+    def __init__(self, processes: Sequence[mp.process.BaseProcess]) -> None:
+        self.processes = processes
+        self.preempt: Optional[int] = None
+        self.stop_now: Optional[int] = None
+        self.preempt_deadline = float("inf")
+        self.grace_expired = False
+
+    def record(self, signum: int, frame: Any) -> None:
+        if signum in PREEMPT_SIGNALS and self.preempt is None:
+            self.preempt = signum
+            self.preempt_deadline = time.monotonic() + PREEMPT_GRACE_SECONDS
+            self.forward_preemption()
+        elif signum != signal.SIGUSR1:  # another SIGUSR1 changes nothing
+            self.stop_now = signum
+
+    def forward_preemption(self) -> None:
+        if self.preempt is None:
+            return
+        for process in self.processes:
+            if process.pid is not None and process.exitcode is None:
+                _signal(process.pid, signal.SIGUSR1)
+
+    def grace_is_over(self) -> bool:
+        if time.monotonic() < self.preempt_deadline:
+            return False
+        self.stop_now, self.grace_expired = self.preempt, True
+        return True
 
 
 @contextmanager
-def _stop_signals() -> Iterator[list[int]]:
-    received: list[int] = []
+def _launcher_signals(processes: Sequence[mp.process.BaseProcess]) -> Iterator[_LauncherSignals]:
+    received = _LauncherSignals(processes)
     if threading.current_thread() is not threading.main_thread():
         yield received
         return
-
-    def record(signum: int, frame: Any) -> None:
-        received.append(signum)
-
-    previous = {signum: signal.signal(signum, record) for signum in (signal.SIGINT, signal.SIGTERM)}
+    previous = {signum: signal.signal(signum, received.record)
+                for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGUSR1)}
     try:
         yield received
     finally:
@@ -204,23 +243,26 @@ def _stop_signals() -> Iterator[list[int]]:
 
 
 def _start(processes: Sequence[mp.process.BaseProcess]) -> None:
-    """Start the workers with SIGINT ignored (inherited across exec), so that Ctrl-C reaches the launcher only."""
+    """Start the workers with SIGINT ignored and the worker signals blocked (both inherited across exec):
+    Ctrl-C reaches the launcher only, and a signal that comes before a worker's handlers waits for them."""
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _WORKER_SIGNALS)
     try:
         for process in processes:
             process.start()
     finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         if in_main_thread:
             signal.signal(signal.SIGINT, previous)
 
 
 def stop(processes: Sequence[mp.process.BaseProcess], grace: float = STOP_GRACE_SECONDS) -> None:
-    """SIGTERM every live worker, SIGKILL those still alive after ``grace`` seconds, reap all."""
+    """Send :data:`STOP_SIGNAL` to every live worker, SIGKILL those still alive after ``grace`` seconds, reap all."""
     started = [process for process in processes if process.pid is not None]
     for process in started:
         if process.exitcode is None:
-            _signal(process.pid, signal.SIGTERM)
+            _signal(process.pid, STOP_SIGNAL)
     end = time.monotonic() + grace
     for process in started:
         process.join(max(0.0, end - time.monotonic()))
@@ -249,11 +291,13 @@ class _Watch:
         self.reports: dict[int, WorkerReport] = {}
         self.exit_order: list[int] = []
 
-    def until_done_or_failed(self, received: list[int]) -> None:
+    def until_done_or_failed(self, received: _LauncherSignals) -> None:
         while True:
             self._note_exits()
-            failed = any(self.processes[i].exitcode != 0 for i in self.exit_order)
-            if received or failed or len(self.exit_order) == len(self.processes):
+            failed = any(self.processes[i].exitcode not in _CLEAN_EXITS for i in self.exit_order)
+            if received.stop_now is not None or failed or len(self.exit_order) == len(self.processes):
+                return
+            if received.grace_is_over():
                 return
             waitables = [p.sentinel for p in self.processes if p.exitcode is None] + list(self.readers.values())
             ready = wait(waitables, timeout=_POLL_SECONDS)
@@ -286,7 +330,7 @@ class _Watch:
         """The error of the worker that failed first, as one line."""
         for index in self.exit_order:
             code = self.processes[index].exitcode
-            if code == 0:
+            if code in _CLEAN_EXITS:
                 continue
             rank = self.first_rank + index
             report = self.reports.get(index)
@@ -299,12 +343,23 @@ class _Watch:
             return error
         return None
 
-    def interruption(self, signum: int) -> Interrupted:
+    def preempted(self, signum: Optional[int]) -> Optional[Preempted]:
+        """The lowest rank's account of a preemption (which update, where its checkpoint is)."""
+        cause = signal.Signals(signum).name if signum is not None else "a signal to the worker processes"
+        for index in sorted(self.reports):
+            if self.reports[index].exit_code == PREEMPTED_EXIT_CODE:
+                return Preempted(self.reports[index].message, cause)
+        return None
+
+    def interruption(self, signum: int, grace_expired: bool = False) -> Interrupted:
         """One line for a stop by signal; a worker's own account (e.g. of a save it cut short) wins."""
         detail = next((r.message for r in self.reports.values()
                        if r.exit_code == Interrupted.exit_code and r.message != "interrupted"), None)
         name = signal.Signals(signum).name
-        error = Interrupted(detail or f"interrupted by {name}; stopped all {len(self.processes)} worker processes")
+        stopped = f"stopped all {len(self.processes)} worker processes"
+        if detail is None and grace_expired:
+            detail = (f"the workers did not save and stop within {PREEMPT_GRACE_SECONDS:.0f}s of {name}; {stopped}")
+        error = Interrupted(detail or f"interrupted by {name}; {stopped}")
         error.exit_code = 128 + signum
         return error
 

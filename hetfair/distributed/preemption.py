@@ -1,0 +1,93 @@
+"""Preemption: a scheduler's SIGTERM or SIGUSR1 asks a run to save and stop after the current update.
+
+* :func:`preemptible` installs the handlers of a training process: the first SIGTERM or
+  SIGUSR1 only records the request; a second SIGTERM raises KeyboardInterrupt (stop now).
+  The request is process-wide state because signals are.
+* The signal reaches the ranks of a job at different times, but all of them must stop after
+  the same update. :class:`StopAgreement` starts a tiny all-reduce (MAX of the request flag)
+  at one update boundary and reads it at the next, so it overlaps an update's compute and
+  every rank sees the same answer at the same boundary. A single process needs no collective.
+* A preempted run exits with :data:`PREEMPTED_EXIT_CODE` (see :class:`hetfair.errors.Preempted`).
+"""
+
+from __future__ import annotations
+
+import signal
+import threading
+from contextlib import contextmanager
+from typing import Any, Iterator, Optional
+
+import torch
+import torch.distributed as dist
+
+from hetfair.distributed.context import DistributedContext
+from hetfair.errors import Preempted
+
+PREEMPTED_EXIT_CODE = Preempted.exit_code
+PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+
+_requested_by: Optional[int] = None  # the first preemption signal this process received
+
+
+def requested_by() -> Optional[int]:
+    """The signal that asked this process to stop (``None``: none yet)."""
+    return _requested_by
+
+
+def request(signum: int) -> None:
+    """Record a preemption request, as the signal handler does."""
+    global _requested_by
+    if _requested_by is None:
+        _requested_by = signum
+
+
+def _on_signal(signum: int, frame: Any) -> None:
+    if signum == signal.SIGTERM and _requested_by is not None:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nothing may interrupt the clean-up
+        raise KeyboardInterrupt
+    request(signum)
+
+
+@contextmanager
+def preemptible() -> Iterator[None]:
+    """In the block, SIGTERM / SIGUSR1 request preemption; a second SIGTERM stops at once (main thread only)."""
+    global _requested_by
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    _requested_by = None
+    previous = {signum: signal.signal(signum, _on_signal) for signum in PREEMPT_SIGNALS}
+    try:
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+
+
+class StopAgreement:
+    """Whether every rank stops after this update: a collective, polled once per update on every rank."""
+
+    def __init__(self, context: DistributedContext) -> None:
+        self.context = context
+        self._flag: Optional[torch.Tensor] = None
+        self._pending: Optional[dist.Work] = None
+
+    def poll(self) -> bool:
+        """True on every rank at the same update boundary, one or two updates after some rank got a signal."""
+        if not self.context.is_distributed:
+            return _requested_by is not None
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
+            assert self._flag is not None
+            if self._flag.item():
+                return True
+        self._flag = torch.tensor([int(_requested_by is not None)], dtype=torch.int32, device=self.context.device)
+        self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
+        return False
+
+    def close(self) -> None:
+        """Finish the all-reduce in flight (every rank started it) before the group is torn down."""
+        if self._pending is not None:
+            self._pending.wait()
+            self._pending = None
