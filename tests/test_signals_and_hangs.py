@@ -1,5 +1,7 @@
 """No hang, no stray process: signals to the launcher, a rendezvous that never answers, a lone rank.
 
+(SIGTERM and SIGUSR1 preempt a run: a save, then exit 75; see test_preemption.py.)
+
 Real processes, real signals, real sockets on 127.0.0.1. Time bounds are the issue's own
 ("within 5 s", "the timeout plus a few seconds") with headroom for a loaded 2-core machine.
 """
@@ -14,8 +16,6 @@ import subprocess
 import threading
 import time
 from pathlib import Path
-
-import pytest
 
 from helpers import TOY_PLUGIN, free_port, is_running, start, worker_pids
 
@@ -42,14 +42,13 @@ def wait_for_line(proc: subprocess.Popen, marker: str, within: float) -> list[st
     raise AssertionError(f"no {marker!r} within {within} s")
 
 
-@pytest.mark.parametrize("signum, exit_code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_to_the_launcher_stops_every_worker_with_one_line(tmp_path, signum, exit_code):
+def test_ctrl_c_to_the_launcher_stops_every_worker_with_one_line(tmp_path):
     launcher = start(long_run(tmp_path, "--distributed-world-size", "3"), tmp_path)
     try:
         wait_for_line(launcher, "train_inner", within=240)  # all three ranks are training
         workers = worker_pids(launcher.pid)
         assert len(workers) == 3
-        os.kill(launcher.pid, signum)
+        os.kill(launcher.pid, signal.SIGINT)
         sent = time.monotonic()
         _, err = launcher.communicate(timeout=60)
         stopped_after = time.monotonic() - sent
@@ -58,9 +57,10 @@ def test_a_signal_to_the_launcher_stops_every_worker_with_one_line(tmp_path, sig
             launcher.kill()
     assert not [pid for pid in workers if is_running(pid)]
     assert stopped_after < STOP_BOUND_SECONDS
-    assert launcher.returncode == exit_code
-    name = signal.Signals(signum).name
-    assert err.strip().splitlines() == [f"hetfair-train: interrupted by {name}; stopped all 3 worker processes"]
+    assert launcher.returncode == 130
+    # progress lines printed between the line we waited for and the signal may come first
+    assert [line for line in err.strip().splitlines() if not line.startswith("train_inner |")] == [
+        "hetfair-train: interrupted by SIGINT; stopped all 3 worker processes"]
 
 
 def test_a_crashed_worker_stops_the_others_with_one_line(tmp_path):
@@ -78,20 +78,6 @@ def test_a_crashed_worker_stops_the_others_with_one_line(tmp_path):
     [line] = err.strip().splitlines()
     assert re.fullmatch(r"hetfair-train: error: the process of rank [0-2] was killed by signal SIGKILL; "
                         r"the others were stopped", line), line
-
-
-def test_sigterm_to_a_single_process_run_is_one_line(tmp_path):
-    proc = start(long_run(tmp_path), tmp_path)
-    try:
-        wait_for_line(proc, "train_inner", within=240)
-        os.kill(proc.pid, signal.SIGTERM)
-        _, err = proc.communicate(timeout=60)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 130
-    assert err.strip().splitlines()[-1] == "hetfair-train: interrupted"
-    assert "Traceback" not in err
 
 
 def test_workers_stop_when_their_launcher_is_killed(tmp_path):
@@ -115,7 +101,7 @@ def test_no_temporary_checkpoint_is_left_by_a_stop(tmp_path):
     launcher = start(long_run(tmp_path, "--distributed-world-size", "2", "--save-interval-updates", "1"), tmp_path)
     try:
         wait_for_line(launcher, "train_inner", within=240)  # saving after every update now
-        os.kill(launcher.pid, signal.SIGTERM)
+        os.kill(launcher.pid, signal.SIGINT)
         launcher.communicate(timeout=60)
     finally:
         if launcher.poll() is None:

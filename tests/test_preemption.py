@@ -1,0 +1,123 @@
+"""Preemption: SIGTERM or SIGUSR1 makes a run finish its update, save checkpoint_last.pt and exit 75,
+and resuming it ends exactly where an uninterrupted run ends. Real processes and signals, gloo on 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+from pathlib import Path
+
+import torch
+import torch.multiprocessing as mp
+
+import agreement_worker
+from helpers import TOY_PLUGIN, final_parameters, free_port, is_running, start, worker_pids
+from hetfair.checkpoint import load_checkpoint
+from hetfair.distributed import preemption
+from hetfair_cli.train import main as train_main
+
+PREEMPTED = 75
+
+
+def toy_args(save_dir: Path, max_update: int, *extra: str) -> list[str]:
+    return ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--toy-train-size", "100000", "--save-dir", str(save_dir),
+            "--max-update", str(max_update), "--optimizer", "sgd", "--momentum", "0.9", "--lr", "0.05",
+            "--lr-scheduler", "polynomial_decay", "--warmup-updates", "3", "--total-num-update", "100000",
+            "--disable-validation", "--no-epoch-checkpoints", "--log-format", "simple", "--log-interval", "5", *extra]
+
+
+def preempt_after_a_few_updates(args: list[str], cwd: Path, signum: int) -> tuple[subprocess.Popen, list[str]]:
+    """Start hetfair-train, send ``signum`` once it has logged update 5, wait for it to end."""
+    proc = start(args, cwd)
+    try:
+        for line in proc.stderr:
+            if "num_updates 5 " in line:
+                break
+        os.kill(proc.pid, signum)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    return proc, err.strip().splitlines()
+
+
+def assert_same_parameters(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name in expected:
+        torch.testing.assert_close(actual[name], expected[name], rtol=0, atol=1e-5)
+
+
+def check_preempted(proc: subprocess.Popen, lines: list[str], signum: int, save_dir: Path) -> int:
+    """The one-line account and the checkpoint of a preempted run; returns its update count."""
+    assert proc.returncode == PREEMPTED, lines
+    last = save_dir / "checkpoint_last.pt"
+    match = re.fullmatch(rf"hetfair-train: preempted by {signal.Signals(signum).name}: stopped after update "
+                         rf"(\d+) \(epoch 1\); saved {re.escape(str(last))}; run the same command to resume", lines[-1])
+    assert match, lines[-1]
+    assert not [line for line in lines if "Traceback" in line or "error" in line]
+    done = int(match.group(1))
+    assert load_checkpoint(last)["trainer"]["num_updates"] == done >= 5
+    return done
+
+
+def test_a_preempted_run_saves_and_resumes_exactly(tmp_path):
+    preempted = tmp_path / "preempted"
+    proc, lines = preempt_after_a_few_updates(toy_args(preempted, 100000), tmp_path, signal.SIGTERM)
+    done = check_preempted(proc, lines, signal.SIGTERM, preempted)
+
+    end = done + 6
+    assert train_main(toy_args(preempted, end, "--log-format", "none")) == 0
+    uninterrupted = tmp_path / "uninterrupted"
+    assert train_main(toy_args(uninterrupted, end, "--log-format", "none")) == 0
+    assert_same_parameters(final_parameters(preempted), final_parameters(uninterrupted))
+
+
+def test_a_preempted_two_rank_job_stops_together_saves_and_resumes_exactly(tmp_path):
+    preempted = tmp_path / "preempted"
+    two_ranks = ("--distributed-world-size", "2", "--max-sentences", "8")
+    launcher_args = toy_args(preempted, 100000, *two_ranks)
+    proc = start(launcher_args, tmp_path)
+    try:
+        for line in proc.stderr:
+            if "num_updates 5 " in line:
+                break
+        workers = worker_pids(proc.pid)
+        assert len(workers) == 2
+        os.kill(proc.pid, signal.SIGUSR1)
+        _, err = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert not [pid for pid in workers if is_running(pid)]
+    done = check_preempted(proc, err.strip().splitlines(), signal.SIGUSR1, preempted)
+
+    end = done + 4
+    assert train_main(toy_args(preempted, end, *two_ranks, "--log-format", "none")) == 0
+    one_process = tmp_path / "one_process"  # the same global batch of 16 on one process
+    assert train_main(toy_args(one_process, end, "--max-sentences", "16", "--log-format", "none")) == 0
+    assert_same_parameters(final_parameters(preempted), final_parameters(one_process))
+
+
+def test_ranks_signalled_at_different_updates_stop_after_the_same_one(tmp_path):
+    mp.spawn(agreement_worker.run_rank, args=(f"tcp://127.0.0.1:{free_port()}", str(tmp_path)),
+             nprocs=agreement_worker.WORLD_SIZE, join=True)
+    stops = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(agreement_worker.WORLD_SIZE)]
+    first_signal = min(agreement_worker.SIGNALLED_AT.values())
+    assert stops == [first_signal + 1] * agreement_worker.WORLD_SIZE  # the vote started after it is read one later
+
+
+def test_the_first_sigterm_asks_to_stop_and_a_second_stops_at_once():
+    with preemption.preemptible():
+        assert preemption.requested_by() is None
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.requested_by() == signal.SIGTERM  # the handler ran between bytecodes
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            interrupted = False
+        except KeyboardInterrupt:
+            interrupted = True
+        assert interrupted
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
