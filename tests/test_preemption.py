@@ -121,3 +121,11 @@ def test_the_first_sigterm_asks_to_stop_and_a_second_stops_at_once():
             interrupted = True
         assert interrupted
     assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+
+
+def test_sigusr1_then_sigterm_is_one_request_not_a_stop():
+    # a worker under torchrun or SLURM gets SIGTERM itself and SIGUSR1 from its launcher, in either order
+    with preemption.preemptible():
+        os.kill(os.getpid(), signal.SIGUSR1)
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert preemption.requested_by() == signal.SIGUSR1

@@ -1,8 +1,10 @@
 """Preemption: a scheduler's SIGTERM or SIGUSR1 asks a run to save and stop after the current update.
 
-* :func:`preemptible` installs the handlers of a training process: the first SIGTERM or
-  SIGUSR1 only records the request; a second SIGTERM raises KeyboardInterrupt (stop now).
-  The request is process-wide state because signals are.
+* :func:`preemptible` installs the handlers of a training process: SIGTERM or SIGUSR1 only
+  records the request; a second SIGTERM raises KeyboardInterrupt (stop now). A SIGUSR1 before
+  a SIGTERM does not count: under torchrun (which signals the whole process group) or SLURM a
+  worker gets SIGTERM directly and SIGUSR1 from its launcher, in either order. The request
+  is process-wide state because signals are.
 * The signal reaches the ranks of a job at different times, but all of them must stop after
   the same update. :class:`StopAgreement` starts a tiny all-reduce (MAX of the request flag)
   at one update boundary and reads it at the next, so it overlaps an update's compute and
@@ -27,6 +29,7 @@ PREEMPTED_EXIT_CODE = Preempted.exit_code
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 _requested_by: Optional[int] = None  # the first preemption signal this process received
+_sigterm_received = False  # SIGUSR1 never escalates: a launcher forwards it while SIGTERM may come directly
 
 
 def requested_by() -> Optional[int]:
@@ -42,20 +45,23 @@ def request(signum: int) -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    if signum == signal.SIGTERM and _requested_by is not None:
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nothing may interrupt the clean-up
-        raise KeyboardInterrupt
+    global _sigterm_received
+    if signum == signal.SIGTERM:
+        if _sigterm_received:
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nothing may interrupt the clean-up
+            raise KeyboardInterrupt
+        _sigterm_received = True
     request(signum)
 
 
 @contextmanager
 def preemptible() -> Iterator[None]:
     """In the block, SIGTERM / SIGUSR1 request preemption; a second SIGTERM stops at once (main thread only)."""
-    global _requested_by
+    global _requested_by, _sigterm_received
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _requested_by = None
+    _requested_by, _sigterm_received = None, False
     previous = {signum: signal.signal(signum, _on_signal) for signum in PREEMPT_SIGNALS}
     try:
         yield
