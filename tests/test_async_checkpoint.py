@@ -139,8 +139,8 @@ def test_training_stops_at_the_update_after_a_background_save_failed(tmp_path, m
 
 
 def toy_saving_every_update(save_dir: Path, max_update: int) -> list[str]:
-    # ~13 MB checkpoints (model + Adam state) written after every update
-    return ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--toy-hidden", "100000", "--toy-train-size", "100000",
+    # ~4 MB checkpoints (model + Adam state) written after every update
+    return ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--toy-hidden", "30000", "--toy-train-size", "100000",
             "--max-update", str(max_update), "--save-dir", str(save_dir), "--log-format", "simple",
             "--log-interval", "5", "--disable-validation", "--no-epoch-checkpoints", "--save-interval-updates", "1",
             "--keep-interval-updates", "1"]
