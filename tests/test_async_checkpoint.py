@@ -8,6 +8,7 @@ import json
 import os
 import signal
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -103,19 +104,24 @@ def test_at_most_one_write_is_in_flight():
     assert most[0] == 1
 
 
-def test_a_failed_background_write_is_raised_at_the_next_check_and_at_close():
+def test_a_failed_background_write_is_raised_at_the_next_check_save_and_close():
     writer = CheckpointWriter(background=True)
     failure = CheckpointError("no space left on device while writing x; the previous checkpoint is intact")
 
-    def write() -> None:
+    def fail() -> None:
         raise failure
 
-    writer.submit(write)
-    writer._pending.exception(timeout=60)  # the write has ended
+    writer.submit(fail)
     with pytest.raises(CheckpointError) as caught:
-        writer.check()
+        writer.submit(lambda: None)  # the next save waits for the failed one and reports it
     assert caught.value is failure
-    writer.submit(write)
+    writer.submit(fail)
+    deadline = time.monotonic() + 60
+    with pytest.raises(CheckpointError):
+        while time.monotonic() < deadline:  # check() never waits: poll until the write has ended
+            writer.check()
+            time.sleep(0.01)
+    writer.submit(fail)
     with pytest.raises(CheckpointError):
         writer.close()
 
