@@ -35,6 +35,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from hetfair.distributed.agent_store import fresh_store, uses_agent_store
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.check_in import check_in
 from hetfair.distributed.per_process import check_counts, for_process
@@ -46,12 +47,14 @@ from hetfair.distributed.rendezvous import (
     private_secret,
 )
 from hetfair.distributed.slurm import first_host, in_slurm_job
-from hetfair.distributed.supervisor import deadline, interrupt_on_sigterm, run_workers
+from hetfair.distributed.supervisor import deadline, exit_with_parent, interrupt_on_sigterm, run_workers
 from hetfair.distributed.zero import ShardingConfig, check_sharding
 from hetfair.errors import ConfigError, DistributedError, first_line
 from hetfair.plugins import import_user_dir
 
 _RENDEZVOUS_GRACE_SECONDS = 5.0
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
+"""Set by torchrun in its workers' environment."""
 TrainFunction = Callable[[argparse.Namespace, DistributedContext], None]
 
 
@@ -144,6 +147,8 @@ def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
     starts only one of them.
     """
     plan = plan_launch(args, os.environ)
+    if TORCHRUN_ENV in os.environ:
+        exit_with_parent()  # torchrun killed by SIGKILL must not leave its workers training on
     check_sharding(ShardingConfig.from_args(args), plan.world_size)
     plan.check_counts(args)
     if plan.world_size == 1:
@@ -211,15 +216,20 @@ def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan, device: 
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # unreachable from other machines
     pg_timeout = timedelta(seconds=timeout)
     limit = timeout + _RENDEZVOUS_GRACE_SECONDS  # the waits inside end first; these deadlines catch C++ hangs
-    if plan.use_env_store:
+    if plan.use_env_store and not uses_agent_store(os.environ):
         with deadline(limit, f"rank {rank} could not join the process group through env:// within {timeout:.0f}s"):
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=plan.world_size,
                                     timeout=pg_timeout)
         return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=local_rank, device=device)
-    address = parse_init_method(plan.init_method, os.environ)
-    with deadline(limit, f"rank {rank} got no answer from the rendezvous {plan.init_method} within {timeout:.0f}s; "
-                         f"check that it is rank 0's address and that no other program listens there"):
-        store = create_store(address, rank, plan.world_size, timeout)
+    if plan.use_env_store:  # torchrun's shared store: find this start's own through it
+        with deadline(limit, f"rank {rank} found no store of this start through torchrun's within {timeout:.0f}s"):
+            store = fresh_store(os.environ, rank, plan.world_size, timeout)
+    else:
+        address = parse_init_method(plan.init_method, os.environ)
+        with deadline(limit, f"rank {rank} got no answer from the rendezvous {plan.init_method} within "
+                             f"{timeout:.0f}s; check that it is rank 0's address and that no other program "
+                             f"listens there"):
+            store = create_store(address, rank, plan.world_size, timeout)
     with deadline(limit, f"rank {rank} checked in but the process group did not form within {timeout:.0f}s"):
         check_in(store, rank, plan.world_size, timeout, plan.secret)
         dist.init_process_group(backend, store=dist.PrefixStore("hetfair/pg", store), rank=rank,

@@ -8,7 +8,7 @@
   :data:`STOP_GRACE_SECONDS`. Workers start with SIGINT ignored, so Ctrl-C in a terminal
   reaches the launcher alone and prints one line, not one traceback per process.
 * A worker whose launcher dies (even by SIGKILL) gets SIGTERM from the kernel (Linux) or
-  notices within a second.
+  notices within a second; so does a launcher started by torchrun whose agent dies.
 * A worker leaves with ``os._exit``: torch's gloo and store threads outlive
   ``destroy_process_group`` (the process group stays referenced once DDP used it), and
   running the interpreter's finalization and C++ static destructors while they are alive
@@ -106,6 +106,12 @@ def _worker_main(index: int, rank: int, channel: Connection, launcher_pid: int,
 def _interrupt_once(signum: int, frame: Any) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)  # a second SIGTERM must not interrupt the clean-up
     raise KeyboardInterrupt
+
+
+def exit_with_parent() -> None:
+    """Get SIGTERM when the parent process dies, even by SIGKILL (e.g. torchrun's agent, whose
+    workers would otherwise live on)."""
+    _exit_with_launcher(os.getppid())
 
 
 def _exit_with_launcher(launcher_pid: int) -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,19 +34,24 @@ class ToyTask(Task):
 
 @register_model("toy_mlp")
 class ToyMLP(HetfairModel):
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, step_seconds: float = 0.0) -> None:
         super().__init__()
         self.net = blobs_mlp(hidden)
+        self.step_seconds = step_seconds
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--toy-hidden", type=int, default=16)
+        parser.add_argument("--toy-step-seconds", type=float, default=0.0,
+                            help="sleep this long in every training forward (time for a test to act mid-run)")
 
     @classmethod
     def build_model(cls, args: argparse.Namespace, task: Task) -> "ToyMLP":
-        return cls(args.toy_hidden)
+        return cls(args.toy_hidden, args.toy_step_seconds)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training and self.step_seconds:
+            time.sleep(self.step_seconds)
         return self.net(x)
 
 
