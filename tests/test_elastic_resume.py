@@ -19,7 +19,9 @@ from hetfair.checkpoint import load_checkpoint
 from hetfair.data.batch_plan import BatchPlan
 from hetfair.data.update_shape import UpdateShape
 from hetfair.distributed.launch import gpu_index, plan_launch
+from hetfair.distributed.stats import UpdateResult
 from hetfair.errors import ConfigError
+from hetfair.logging.meters import IntervalStats
 from hetfair.options import parse_train_args
 from hetfair_cli.train import main as train_main
 from helpers import TOY_PLUGIN, final_parameters
@@ -154,3 +156,18 @@ def test_balancing_starts_afresh_on_ranks_with_other_batch_sizes():
     assert LoadBalancer([16, 24], 32, config).load_state_dict(saved.state_dict()) is False  # split fits, caps differ
     same = LoadBalancer([24, 24], 32, config)
     assert same.load_state_dict(saved.state_dict()) is True and same.split == [10, 22]
+
+
+def test_per_rank_statistics_start_anew_on_another_number_of_ranks():
+    def result(samples: list[float]) -> UpdateResult:
+        return UpdateResult(totals={}, samples=samples, compute_seconds=[1.0] * len(samples), lr=0.1, gnorm=1.0,
+                            clipped=False)
+
+    saved = IntervalStats(lambda totals: {})
+    saved.add(result([16.0, 16.0]), seconds=1.0)
+    resumed = IntervalStats(lambda totals: {})
+    resumed.load_state_dict(saved.state_dict())
+    resumed.add(result([12.0, 10.0, 10.0]), seconds=1.0)
+    metrics = resumed.metrics()
+    assert [metrics[f"share{r}"] for r in range(3)] == pytest.approx([37.5, 31.25, 31.25])
+    assert resumed.updates == 2
