@@ -4,7 +4,8 @@ Two torchrun agents on this machine stand in for two nodes (c10d rendezvous, one
 worker each, the MNIST plugin on Fashion-MNIST). Once both train, the script kills either
 agent B's rank process ("worker killed": both restart on two nodes) or agent B itself with
 SIGKILL ("node killed": A goes on alone), and clocks the first ``train_inner`` line of agent A
-after its ``restore`` line. Each is run with torch's default, where torchrun shares its
+after its ``restore`` line. B starts once A holds the rendezvous (torchrun's c10d store lives in
+the agent that opened ``--rdzv-endpoint``; killing that one ends the job). Each is run with torch's default, where torchrun shares its
 rendezvous store with the workers (hetfair then finds a store of each start's own through it),
 and with ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (a new store on a new port every start), the
 variants alternating; the table gives successes, the median recovery (min..max) and the
@@ -84,6 +85,17 @@ def wait_for(agent: Agent, since: float, pattern: str) -> tuple[float, str]:
     raise TimeoutError(pattern)
 
 
+def wait_until_listening(port: int) -> None:
+    deadline = time.monotonic() + WAIT
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=1.0):
+                return
+        except OSError:
+            time.sleep(0.05)
+    raise TimeoutError(f"a rendezvous on port {port}")
+
+
 def descendants(pid: int) -> list[int]:
     children: dict[int, list[int]] = {}
     for entry in Path("/proc").iterdir():
@@ -106,8 +118,10 @@ def one_recovery(scenario: str, mode_env: dict[str, str]) -> Optional[tuple[floa
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **mode_env}
     port = free_port()
     with tempfile.TemporaryDirectory() as tmp:
-        agents = [start_agent(port, Path(tmp) / "ckpt", env) for _ in range(2)]
+        agents = [start_agent(port, Path(tmp) / "ckpt", env)]
         try:
+            wait_until_listening(port)  # A holds the rendezvous (torchrun's c10d store): it must not be B
+            agents.append(start_agent(port, Path(tmp) / "ckpt", env))
             started, _ = wait_for(agents[0], 0.0, "world_size 2 |")
             wait_for(agents[0], started, "train_inner")
             time.sleep(1.0)  # a few updates in
