@@ -240,16 +240,19 @@ class LoadBalancer:
 
     # -- checkpoint state ------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
-        """Plain data: the split and the measurements taken at it (and at the previous split)."""
-        return {"split": list(self.split), "resplits": self.resplits, "measured": self._measured,
+        """Plain data: the ranks' batch sizes, the split and the measurements taken at it (and at the previous split)."""
+        return {"caps": list(self.caps), "split": list(self.split), "resplits": self.resplits, "measured": self._measured,
                 "samples": list(self._samples), "seconds": list(self._seconds),
                 "previous": self._previous, "last": self._last, "departed": list(self._departed),
                 "fresh": self._fresh, "measured_at_fresh": self._measured_at_fresh}
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
-        """Restore a saved state; ``False`` (and nothing restored) when its split does not fit this run."""
+        """Restore a saved state; ``False`` (and nothing restored) when it is another cluster's (other ranks
+        or batch sizes: its measurements say nothing about this one) or its split does not fit this run."""
         split = [int(n) for n in state["split"]]
-        fits = (len(split) == len(self.caps) and sum(split) == self.global_batch_size
+        saved_caps = state.get("caps")  # absent in checkpoints of older versions
+        fits = ((saved_caps is None or [int(c) for c in saved_caps] == list(self.caps))
+                and len(split) == len(self.caps) and sum(split) == self.global_batch_size
                 and all(1 <= n <= cap for n, cap in zip(split, self.caps)))
         if not fits:
             return False

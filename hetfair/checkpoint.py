@@ -9,6 +9,7 @@ A checkpoint is one ``torch.save`` dict with these top-level keys (format 2)::
     position        epoch (1-based) and samples_done in it
     clock           wall_seconds of training so far, over all runs of the job
     epoch_stats     the running training statistics of the current epoch
+    batch           global_batch_size and update_freq: the samples of each update, kept on resume
     balance         the load balancer's split and measurements (only with --auto-balance)
     loss_scale      the job's loss scale and its updates without overflow (only when a rank runs fp16)
     rng             Python, numpy and torch generator states

@@ -95,6 +95,9 @@ def add_optimization_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-update", type=int, default=0, metavar="N", help="stop after N updates (0: no limit)")
     group.add_argument("--update-freq", type=int, default=1, metavar="N",
                        help="accumulate N micro-batches per update (gradient sync on the last only)")
+    group.add_argument("--fixed-update-freq", action="store_true",
+                       help="fail rather than raise --update-freq when the processes cannot hold the global batch "
+                            "in one step (e.g. resuming on fewer of them)")
     group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
     group.add_argument("--weight-decay", "--wd", type=float, default=0.0, help="weight decay")
     group.add_argument("--clip-norm", type=float, default=0.0, metavar="NORM",
@@ -159,8 +162,10 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                        help="global rank of the first process this command starts")
     group.add_argument("--distributed-gpus", type=int, metavar="N",
                        help="processes this command starts on this node (default: all of the world on one node)")
-    group.add_argument("--device-id", "--local_rank", type=int, default=0, dest="device_id", metavar="ID",
-                       help="first GPU this command uses")
+    group.add_argument("--device-id", "--local_rank", default=0, dest="device_id", metavar="ID[,ID...]",
+                       type=PerProcessValues(_whole_number, "device_id", int, "an integer"),
+                       help="first GPU this command uses (its processes take the next ones); a list gives each "
+                            "process of this command its own GPU, e.g. 0,2,3")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"),
                        help="collective backend (default: nccl on GPUs, gloo on CPU)")
     group.add_argument("--distributed-port", type=int, default=0, metavar="PORT",

@@ -15,6 +15,7 @@ from hetfair.balance import BalanceConfig, LoadBalancer
 from hetfair.checkpoint import CheckpointConfig, Checkpointer, Stateful
 from hetfair.data.epoch_updates import EpochSchedule, EpochUpdates, Update
 from hetfair.data.rank_batches import dummy_batch
+from hetfair.data.update_shape import UpdateShape
 from hetfair.distributed.collectives import all_gather_ints
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.preemption import StopAgreement, requested_by
@@ -27,7 +28,7 @@ from hetfair.logging.tensorboard import TensorBoardLogger
 from hetfair.options import plain_config
 from hetfair.precision import LossScaleConfig, gather_precisions, job_loss_scaler
 from hetfair.rng import RngState, seed_everything
-from hetfair.run_state import BalancerPart, Position, TrainingClock
+from hetfair.run_state import BalancerPart, BatchPart, Position, TrainingClock
 from hetfair.tasks import TASK_REGISTRY, Task
 from hetfair.trainer import Trainer
 from hetfair.utils import check_output_dir
@@ -47,16 +48,26 @@ def local_capacity(args: argparse.Namespace, task: Task, max_sentences: Optional
     return int(capacity)
 
 
-def global_batch_size(args: argparse.Namespace, caps: list[int]) -> int:
-    """``--global-batch-size`` (default: the sum of the per-rank batch sizes), checked against them."""
-    size = args.global_batch_size or sum(caps)
-    if size > sum(caps):
-        raise ConfigError(f"--global-batch-size {size} exceeds the per-process batch sizes {caps} "
-                          f"together ({sum(caps)})")
-    if args.auto_balance and size < len(caps):
+def command_shape(args: argparse.Namespace, caps: list[int], saved: Optional[UpdateShape] = None) -> UpdateShape:
+    """The updates the command line asks for: ``--global-batch-size`` samples per step (default: the
+    checkpoint's when resuming, else the sum of the per-rank batch sizes), ``--update-freq`` steps each."""
+    default = saved.step_size if saved is not None else sum(caps)
+    return UpdateShape.of(args.global_batch_size or default, args.update_freq)
+
+
+def fit_shape(args: argparse.Namespace, nominal: UpdateShape, caps: list[int]) -> UpdateShape:
+    """``nominal`` cut into steps the ranks can hold: more steps per update when one step does not fit,
+    unless ``--fixed-update-freq`` forbids it."""
+    shape = nominal.fitted(sum(caps))
+    if shape != nominal and args.fixed_update_freq:
+        raise ConfigError(
+            f"the global batch of {nominal.step_size} samples does not fit in one step of {len(caps)} process(es) "
+            f"with batch sizes {caps} ({sum(caps)} together) and --fixed-update-freq forbids more steps per update; "
+            f"drop --fixed-update-freq, raise --max-sentences or add processes")
+    if args.auto_balance and shape.step_size < len(caps):
         raise ConfigError(f"--auto-balance needs a --global-batch-size of at least one sample per process "
                           f"({len(caps)})")
-    return size
+    return shape
 
 
 def check_before_start(args: argparse.Namespace) -> None:
@@ -107,9 +118,9 @@ class TrainingRun:
                                                              args.max_sentences_valid or args.max_sentences))
         self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, valid_caps,
                                    args.num_workers, forward_every_batch=args.ddp_backend == "fully_sharded")
-        self.global_batch_size = global_batch_size(args, self.caps)
-        self.balancer = (LoadBalancer(self.caps, self.global_batch_size, BalanceConfig.from_args(args))
-                         if args.auto_balance else None)
+        self.nominal_shape = command_shape(args, self.caps)
+        self.shape = fit_shape(args, self.nominal_shape, self.caps)
+        self.balancer = self._new_balancer()
         self.position = Position()
         self.clock = TrainingClock()
         self.tensorboard = TensorBoardLogger(args.tensorboard_logdir, enabled=context.is_master)
@@ -129,12 +140,30 @@ class TrainingRun:
     def _checkpoint_parts(self) -> dict[str, Stateful]:
         parts: dict[str, Stateful] = {"trainer": self.trainer, "position": self.position, "clock": self.clock,
                                       "epoch_stats": self.epoch_stats}
+        parts["batch"] = BatchPart(lambda: self.nominal_shape, self._restore_shape)
         if self.balancer is not None:
-            parts["balance"] = BalancerPart(self.balancer, self._notice)
+            parts["balance"] = BalancerPart(lambda: self.balancer, self._notice)
         if self.trainer.loss_scaler is not None:
             parts["loss_scale"] = self.trainer.loss_scaler
         parts["rng"] = RngState()  # last: restoring the other parts must not disturb the generators
         return parts
+
+    def _new_balancer(self) -> Optional[LoadBalancer]:
+        if not self.args.auto_balance:
+            return None
+        return LoadBalancer(self.caps, self.shape.step_size, BalanceConfig.from_args(self.args))
+
+    def _restore_shape(self, saved: UpdateShape) -> None:
+        """Keep the checkpoint's updates (its global batch and --update-freq) on this run's ranks,
+        unless the command line gives others; balancing then starts afresh on the new steps."""
+        nominal = command_shape(self.args, self.caps, saved)
+        if nominal != saved:
+            self._notice(f"restore | the command line's global batch {nominal.step_size} x --update-freq "
+                         f"{nominal.steps_per_update} replaces the checkpoint's {saved.step_size} x "
+                         f"{saved.steps_per_update}: the updates differ from those of the run that wrote it")
+        self.nominal_shape = nominal
+        self.shape = fit_shape(self.args, nominal, self.caps)
+        self.balancer = self._new_balancer()
 
     # -- the loop ----------------------------------------------------------------
     def run(self) -> None:
@@ -204,7 +233,7 @@ class TrainingRun:
 
     def _epoch_updates(self) -> EpochUpdates:
         args = self.args
-        schedule = EpochSchedule(self.caps, self.global_batch_size, args.update_freq, args.seed)
+        schedule = EpochSchedule(self.caps, self.shape, args.seed)
         return EpochUpdates(self.train_data, self.task.collater, schedule, self.context.rank, self.position.epoch,
                             start=self.position.samples_done, split=self._current_split,
                             num_workers=args.num_workers, pin_memory=self.context.device.type == "cuda")
@@ -369,7 +398,8 @@ class TrainingRun:
             return
         parameters = sum(p.numel() for p in model.parameters())
         self.progress.log("setup", {"parameters": parameters, "world_size": self.context.world_size,
-                                    "global_batch": self.global_batch_size, "train_samples": len(self.train_data)},
+                                    "global_batch": self.nominal_shape.step_size,
+                                    "train_samples": len(self.train_data)},
                           self.position.epoch, self.trainer.num_updates)
         caps = ", ".join(f"rank {r}: {c}" for r, c in enumerate(self.caps))
         precisions = ", ".join(f"rank {r}: {p}" for r, p in enumerate(self.precisions))
@@ -380,6 +410,12 @@ class TrainingRun:
         self.progress.info(f"setup | model {self.args.model} ({shape}) | task {self.args.task} | "
                            f"per-rank batch {caps} | per-rank precision {precisions}{scaling} | "
                            f"device {self.context.device}")
+        if self.shape != self.nominal_shape:
+            nominal = self.nominal_shape
+            self.progress.info(f"batch | the global batch of {nominal.step_size} does not fit in one step of these "
+                               f"processes ({sum(self.caps)} samples together): each update of {nominal.update_size} "
+                               f"samples takes {self.shape.steps_per_update} steps of up to {self.shape.step_size} "
+                               f"(--update-freq {nominal.steps_per_update} raised to {self.shape.steps_per_update})")
 
 
 def _every(interval: int, num_updates: int) -> bool:

@@ -233,7 +233,8 @@ def test_balance_efficiency_is_ideal_over_slowest_rank_time():
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--global-batch-size", "17"], "--global-batch-size 17 exceeds"),
+        (["--global-batch-size", "17", "--fixed-update-freq"], "the global batch of 17 samples does not fit in one "
+                                                               "step of 1 process(es) with batch sizes [16]"),
         (["--auto-balance", "--balance-smoothing", "0"], "--balance-smoothing must be in (0, 1]"),
         (["--auto-balance", "--balance-interval", "0"], "--balance-interval must be at least 1"),
     ],

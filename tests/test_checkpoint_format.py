@@ -14,7 +14,8 @@ from hetfair.checkpoint import FORMAT_VERSION, CheckpointConfig, Checkpointer, a
 from hetfair.errors import CheckpointError
 from hetfair_cli.train import main as train_main
 
-DOCUMENTED_KEYS = {"format_version", "best_metric", "config", "trainer", "position", "clock", "epoch_stats", "rng"}
+DOCUMENTED_KEYS = {"format_version", "best_metric", "config", "trainer", "position", "clock", "epoch_stats", "batch",
+                   "rng"}
 
 
 def toy_args(save_dir: Path, *extra: str) -> list[str]:

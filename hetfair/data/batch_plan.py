@@ -13,6 +13,8 @@ from typing import Sequence
 
 import numpy as np
 
+from hetfair.data.update_shape import UpdateShape
+
 
 def split_counts(total: int, shares: Sequence[float], caps: Sequence[int]) -> list[int]:
     """Split ``total`` items among ranks in proportion to ``shares``, never above ``caps``.
@@ -69,6 +71,9 @@ class BatchPlan:
         start: samples of the epoch already done (resuming); steps count from there.
         global_batch_size: samples per step over all ranks (default: ``sum(caps)``); a
             smaller value leaves room to move the split without exceeding any cap.
+        update_size: samples per update (default: one step's); each update's samples are cut
+            into steps of ``global_batch_size``, its last step taking the rest (see
+            :class:`~hetfair.data.update_shape.UpdateShape`). ``start`` is an update boundary.
     """
 
     def __init__(
@@ -81,18 +86,20 @@ class BatchPlan:
         shares: Sequence[float] | None = None,
         start: int = 0,
         global_batch_size: int | None = None,
+        update_size: int | None = None,
     ) -> None:
         self.caps = [int(c) for c in caps]
         self.shares = [float(s) for s in (shares if shares is not None else caps)]
         self.global_batch_size = sum(self.caps) if global_batch_size is None else int(global_batch_size)
         if not 0 < self.global_batch_size <= sum(self.caps):
             raise ValueError(f"global batch {self.global_batch_size} does not fit capacities {self.caps}")
+        self.shape = UpdateShape(update_size or self.global_batch_size, self.global_batch_size)
         self.order = epoch_order(num_samples, seed, epoch, shuffle)[start:]
-        self.num_steps = math.ceil(len(self.order) / self.global_batch_size)
+        self.num_steps = self.shape.steps_for(len(self.order))
 
     def global_batch(self, step: int) -> np.ndarray:
-        start = step * self.global_batch_size
-        return self.order[start : start + self.global_batch_size]
+        start, end = self.shape.step_bounds(step)
+        return self.order[start:end]
 
     def rank_counts(self, step: int) -> list[int]:
         return split_counts(len(self.global_batch(step)), self.shares, self.caps)

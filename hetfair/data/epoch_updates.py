@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Optional, Sequence
 
@@ -10,6 +9,7 @@ from torch.utils.data import Dataset
 
 from hetfair.data.batch_plan import BatchPlan
 from hetfair.data.rank_batches import Collater, RankBatches
+from hetfair.data.update_shape import UpdateShape
 
 
 @dataclass
@@ -23,11 +23,10 @@ class Update:
 
 @dataclass(frozen=True)
 class EpochSchedule:
-    """How an epoch is cut: per-rank capacities, the global batch, accumulation and order."""
+    """How an epoch is cut: per-rank capacities, samples per update and per step, and order."""
 
     caps: Sequence[int]
-    global_batch_size: int
-    update_freq: int
+    shape: UpdateShape
     seed: int
 
 
@@ -54,7 +53,7 @@ class EpochUpdates:
 
     def steps_left(self) -> int:
         """Global batches (micro-batch steps) left in the epoch."""
-        return math.ceil((len(self.dataset) - self.start) / self.schedule.global_batch_size)
+        return self.schedule.shape.steps_for(len(self.dataset) - self.start)
 
     def __iter__(self) -> Iterator[Update]:
         done = self.start
@@ -69,7 +68,8 @@ class EpochUpdates:
     def _updates_with_split(self, start: int, shares: Optional[Sequence[int]]) -> Iterator[Update]:
         schedule = self.schedule
         plan = BatchPlan(len(self.dataset), schedule.caps, schedule.seed, self.epoch, shuffle=True, shares=shares,
-                         start=start, global_batch_size=schedule.global_batch_size)
+                         start=start, global_batch_size=schedule.shape.step_size,
+                         update_size=schedule.shape.update_size)
         batches = RankBatches(self.dataset, self.collater, plan, self.rank, num_workers=self.num_workers,
                               pin_memory=self.pin_memory)
         group: list[Optional[dict[str, Any]]] = []
@@ -77,6 +77,6 @@ class EpochUpdates:
         for step, sample in enumerate(batches):
             group.append(sample)
             group_samples += len(plan.global_batch(step))
-            if len(group) == schedule.update_freq or step + 1 == plan.num_steps:
+            if len(group) == schedule.shape.steps_per_update or step + 1 == plan.num_steps:
                 yield Update(group, group_samples)
                 group, group_samples = [], 0

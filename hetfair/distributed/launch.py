@@ -15,9 +15,10 @@ Every rank of a distributed job runs in a worker process that this command spawn
 supervises (:mod:`hetfair.distributed.supervisor`): failures and Ctrl-C end all of them
 with one line; SIGTERM or SIGUSR1 preempts them (:mod:`hetfair.distributed.preemption`).
 
-Options given per process (``--max-sentences 48,16``, see
+Options given per process (``--max-sentences 48,16``, ``--device-id 0,2``, see
 :mod:`hetfair.distributed.per_process`) must list one value per process started
-here; each process receives its own.
+here, or under torchrun one per worker of the node (``LOCAL_WORLD_SIZE``); each
+process receives its own.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
+from hetfair.distributed.agent_store import fresh_store, uses_agent_store
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.check_in import check_in
 from hetfair.distributed.per_process import check_counts, for_process
@@ -46,12 +48,14 @@ from hetfair.distributed.rendezvous import (
 )
 from hetfair.distributed.slurm import first_host, in_slurm_job
 from hetfair.distributed.preemption import preemptible
-from hetfair.distributed.supervisor import deadline, run_workers
+from hetfair.distributed.supervisor import deadline, exit_with_parent, run_workers
 from hetfair.distributed.zero import ShardingConfig, check_sharding
 from hetfair.errors import ConfigError, DistributedError, Preempted, first_line
 from hetfair.plugins import import_user_dir
 
 _RENDEZVOUS_GRACE_SECONDS = 5.0
+TORCHRUN_ENV = "TORCHELASTIC_RUN_ID"
+"""Set by torchrun in its workers' environment."""
 TrainFunction = Callable[[argparse.Namespace, DistributedContext], None]
 
 
@@ -69,6 +73,22 @@ class LaunchPlan:
     """Signs the check-in (see :mod:`hetfair.distributed.rendezvous`); never stored in checkpoints."""
     local_only: bool = False
     """Every rank runs on this machine: gloo listens on the loopback interface only."""
+    node_processes: int = 0
+    """Under torchrun: the node's workers (``LOCAL_WORLD_SIZE``), whose per-process lists are indexed by
+    local rank; 0 when the lists hold one value per process of this command."""
+
+    def list_length(self) -> int:
+        """How many values a per-process list must hold."""
+        return self.node_processes or self.nprocs
+
+    def list_index(self, index: int) -> int:
+        """Which item of a per-process list local process ``index`` of this command takes."""
+        return self.local_rank_offset + index if self.node_processes else index
+
+    def check_counts(self, args: argparse.Namespace) -> None:
+        """Refuse a per-process list of the wrong length before anything starts."""
+        starter = "torchrun (--nproc-per-node) starts" if self.node_processes else "this command starts"
+        check_counts(args, self.list_length(), starter)
 
 
 def plan_launch(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchPlan:
@@ -77,6 +97,7 @@ def plan_launch(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchPlan:
         return LaunchPlan(
             world_size=int(env["WORLD_SIZE"]), base_rank=int(env["RANK"]), nprocs=1,
             init_method="env://", local_rank_offset=int(env.get("LOCAL_RANK", 0)), use_env_store=True,
+            node_processes=int(env.get("LOCAL_WORLD_SIZE", 1)),
         )
     if args.distributed_init_method is None and in_slurm_job(env):
         return _plan_slurm(args, env)
@@ -112,6 +133,8 @@ def _plan_slurm(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchPlan:
 
 
 def _default_local_processes(args: argparse.Namespace) -> int:
+    if isinstance(args.device_id, tuple):
+        return len(args.device_id)
     if not args.cpu and torch.cuda.is_available():
         return torch.cuda.device_count() - args.device_id
     return 1
@@ -125,12 +148,15 @@ def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
     starts only one of them.
     """
     plan = plan_launch(args, os.environ)
+    if TORCHRUN_ENV in os.environ:
+        exit_with_parent()  # torchrun killed by SIGKILL must not leave its workers training on
     check_sharding(ShardingConfig.from_args(args), plan.world_size)
-    check_counts(args, plan.nprocs)
+    plan.check_counts(args)
     if plan.world_size == 1:
         with preemptible():
-            args = for_process(args, 0)
-            train_fn(args, DistributedContext(rank=0, world_size=1, local_rank=0, device=_device_for(args, 0)))
+            device = _device_for(args, plan, 0)
+            args = for_process(args, plan.list_index(0))
+            train_fn(args, DistributedContext(rank=0, world_size=1, local_rank=0, device=device))
         return
     with _rendezvous_for(plan, args) as plan:
         run_workers(plan.nprocs, plan.base_rank, _run_rank, (args, plan, train_fn))
@@ -157,10 +183,11 @@ def _rendezvous_for(plan: LaunchPlan, args: argparse.Namespace) -> Iterator[Laun
 
 def _run_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn: TrainFunction) -> None:
     """One rank, in its worker process: join the group, train, leave the group in order."""
-    args = for_process(args, index)
+    device = _device_for(args, plan, index)
+    args = for_process(args, plan.list_index(index))
     if args.user_dir:
         import_user_dir(args.user_dir)  # spawned processes start with a fresh interpreter
-    context = _join_group(index, args, plan)
+    context = _join_group(index, args, plan, device)
     if context.device.type == "cpu" and plan.nprocs > 1 and "OMP_NUM_THREADS" not in os.environ:
         # like torchrun: processes sharing the CPU must not each use every core
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // plan.nprocs))
@@ -186,11 +213,10 @@ def _leave_group() -> None:
     dist.destroy_process_group()
 
 
-def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan) -> DistributedContext:
+def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan, device: torch.device) -> DistributedContext:
     """Meet the other ranks and build the process group, in at most ``--distributed-timeout`` (+ grace)."""
     rank = plan.base_rank + index
     local_rank = plan.local_rank_offset + index
-    device = _device_for(args, local_rank)
     backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
     timeout = args.distributed_timeout
     assert plan.init_method is not None
@@ -198,15 +224,20 @@ def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan) -> Distr
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # unreachable from other machines
     pg_timeout = timedelta(seconds=timeout)
     limit = timeout + _RENDEZVOUS_GRACE_SECONDS  # the waits inside end first; these deadlines catch C++ hangs
-    if plan.use_env_store:
+    if plan.use_env_store and not uses_agent_store(os.environ):
         with deadline(limit, f"rank {rank} could not join the process group through env:// within {timeout:.0f}s"):
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=plan.world_size,
                                     timeout=pg_timeout)
         return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=local_rank, device=device)
-    address = parse_init_method(plan.init_method, os.environ)
-    with deadline(limit, f"rank {rank} got no answer from the rendezvous {plan.init_method} within {timeout:.0f}s; "
-                         f"check that it is rank 0's address and that no other program listens there"):
-        store = create_store(address, rank, plan.world_size, timeout)
+    if plan.use_env_store:  # torchrun's shared store: find this start's own through it
+        with deadline(limit, f"rank {rank} found no store of this start through torchrun's within {timeout:.0f}s"):
+            store = fresh_store(os.environ, rank, plan.world_size, timeout)
+    else:
+        address = parse_init_method(plan.init_method, os.environ)
+        with deadline(limit, f"rank {rank} got no answer from the rendezvous {plan.init_method} within "
+                             f"{timeout:.0f}s; check that it is rank 0's address and that no other program "
+                             f"listens there"):
+            store = create_store(address, rank, plan.world_size, timeout)
     with deadline(limit, f"rank {rank} checked in but the process group did not form within {timeout:.0f}s"):
         check_in(store, rank, plan.world_size, timeout, plan.secret)
         dist.init_process_group(backend, store=dist.PrefixStore("hetfair/pg", store), rank=rank,
@@ -214,14 +245,20 @@ def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan) -> Distr
     return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=local_rank, device=device)
 
 
-def _device_for(args: argparse.Namespace, local_rank: int) -> torch.device:
+def _device_for(args: argparse.Namespace, plan: LaunchPlan, index: int) -> torch.device:
+    """The device of local process ``index``: ``--device-id`` plus its local rank, or its own item of a list."""
     if args.cpu or not torch.cuda.is_available():
         return torch.device("cpu")
-    index = args.device_id + local_rank
+    index = gpu_index(args.device_id, plan.list_index(index), plan.local_rank_offset + index)
     if index >= torch.cuda.device_count():
         raise ConfigError(f"GPU {index} requested but only {torch.cuda.device_count()} are visible")
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def gpu_index(device_id: int | tuple[int, ...], list_index: int, local_rank: int) -> int:
+    """``--device-id 2``: the first GPU, so local rank 1 takes GPU 3; ``--device-id 0,2``: each process's own."""
+    return device_id[list_index] if isinstance(device_id, tuple) else device_id + local_rank
 
 
 _LOST_PEER_MARKERS = ("connection", "timed out", "timeout", "closed", "reset by peer", "broken pipe", "gloo", "nccl")

@@ -1,7 +1,9 @@
 """Options with one value per local process of a command, e.g. ``--max-sentences 48,16``.
 
 One command may start several processes (``--distributed-gpus N``, or
-``--distributed-world-size N`` on one node). Each option of
+``--distributed-world-size N`` on one node); under torchrun, each worker is its own
+command and the list holds one value per worker of the node (``LOCAL_WORLD_SIZE``),
+each taking the item at its ``LOCAL_RANK``. Each option of
 :data:`PER_PROCESS_OPTIONS` takes either one value, which every process of the
 command uses, or a comma-separated list of exactly one value per process, in the
 order of their ranks. :func:`parse_per_process` reads the text (one value stays
@@ -19,7 +21,7 @@ from hetfair.errors import ConfigError
 
 T = TypeVar("T")
 
-PER_PROCESS_OPTIONS: tuple[str, ...] = ("max_sentences", "max_tokens", "precision")
+PER_PROCESS_OPTIONS: tuple[str, ...] = ("max_sentences", "max_tokens", "precision", "device_id")
 """The ``args`` attributes that may hold one value per local process."""
 
 
@@ -47,14 +49,14 @@ def values_of(value: Any) -> tuple[Any, ...]:
     return value if isinstance(value, tuple) else (value,)
 
 
-def check_counts(args: argparse.Namespace, nprocs: int) -> None:
-    """Refuse a per-process list whose length is not the number of processes this command starts."""
+def check_counts(args: argparse.Namespace, nprocs: int, starter: str = "this command starts") -> None:
+    """Refuse a per-process list whose length is not ``nprocs``, the processes ``starter`` starts."""
     for dest in PER_PROCESS_OPTIONS:
         value = getattr(args, dest, None)
         if isinstance(value, tuple) and len(value) != nprocs:
             starts = f"{nprocs} process" + ("es" if nprocs != 1 else "")
             raise ConfigError(
-                f"{flag_of(dest)} {','.join(map(str, value))} gives {len(value)} values but this command starts "
+                f"{flag_of(dest)} {','.join(map(str, value))} gives {len(value)} values but {starter} "
                 f"{starts}; give one value for all of them or one per process"
             )
 

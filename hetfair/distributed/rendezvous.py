@@ -125,7 +125,7 @@ def create_store(address: StoreAddress, rank: int, world_size: int, timeout: flo
     deadline = time.monotonic() + timeout
     try:
         if rank == 0:
-            return _host_tcp_store(address, world_size, timeout)
+            return host_tcp_store(address, world_size, timeout)
         _wait_until_reachable(address, rank, deadline, timeout)
         return dist.TCPStore(address.host, address.port, world_size, is_master=False,
                              timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
@@ -136,7 +136,8 @@ def create_store(address: StoreAddress, rank: int, world_size: int, timeout: flo
         ) from exc
 
 
-def _host_tcp_store(address: StoreAddress, world_size: int, timeout: float) -> dist.Store:
+def host_tcp_store(address: StoreAddress, world_size: int, timeout: float) -> dist.Store:
+    """Host a tcp store at ``address`` (port 0: a free one, see its ``port``); on loopback, listen there only."""
     listen_fd = None
     if address.is_loopback:
         family = socket.AF_INET6 if ":" in address.host else socket.AF_INET

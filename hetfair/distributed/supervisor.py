@@ -13,7 +13,7 @@
   :data:`PREEMPT_GRACE_SECONDS`. A second SIGTERM, or SIGINT, stops them now. Workers start
   with these signals blocked and unblock them once their handlers are in place.
 * A worker whose launcher dies (even by SIGKILL) gets :data:`STOP_SIGNAL` from the kernel
-  (Linux) or notices within a second.
+  (Linux) or notices within a second; so does a launcher started by torchrun whose agent dies.
 * A worker leaves with ``os._exit``: torch's gloo and store threads outlive
   ``destroy_process_group`` (the process group stays referenced once DDP used it), and
   running the interpreter's finalization and C++ static destructors while they are alive
@@ -124,6 +124,12 @@ def _stop_now(signum: int, frame: Any) -> None:
     for ignored in _WORKER_SIGNALS:
         signal.signal(ignored, signal.SIG_IGN)  # a second signal must not interrupt the clean-up
     raise KeyboardInterrupt
+
+
+def exit_with_parent() -> None:
+    """Get :data:`STOP_SIGNAL` when the parent process dies, even by SIGKILL (e.g. torchrun's agent, whose
+    workers would otherwise live on)."""
+    _exit_with_launcher(os.getppid())
 
 
 def _exit_with_launcher(launcher_pid: int) -> None:

@@ -132,5 +132,8 @@ class Stopwatch:
 
 
 def _add(running: list[float], values: list[float]) -> list[float]:
-    """Element-wise sum of per-rank lists (``running`` may still be empty)."""
-    return [a + b for a, b in zip(running or [0.0] * len(values), values)]
+    """Element-wise sum of per-rank lists; they start anew when the ranks are others (empty ``running``, or
+    a run resumed on another number of ranks)."""
+    if len(running) != len(values):
+        return list(values)
+    return [a + b for a, b in zip(running, values)]

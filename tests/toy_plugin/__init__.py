@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -33,19 +34,29 @@ class ToyTask(Task):
 
 @register_model("toy_mlp")
 class ToyMLP(HetfairModel):
-    def __init__(self, hidden: int) -> None:
+    def __init__(self, hidden: int, step_seconds: float = 0.0, pause_file: str | None = None) -> None:
         super().__init__()
         self.net = blobs_mlp(hidden)
+        self.step_seconds = step_seconds
+        self.pause_file = Path(pause_file) if pause_file else None
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--toy-hidden", type=int, default=16)
+        parser.add_argument("--toy-step-seconds", type=float, default=0.0,
+                            help="sleep this long in every training forward (time for a test to act mid-run)")
+        parser.add_argument("--toy-pause-file", metavar="PATH",
+                            help="while PATH exists, every training forward waits (a test holds training there)")
 
     @classmethod
     def build_model(cls, args: argparse.Namespace, task: Task) -> "ToyMLP":
-        return cls(args.toy_hidden)
+        return cls(args.toy_hidden, args.toy_step_seconds, args.toy_pause_file)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.training:
+            time.sleep(self.step_seconds)
+            while self.pause_file is not None and self.pause_file.exists():
+                time.sleep(0.02)
         return self.net(x)
 
 
