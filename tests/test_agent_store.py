@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from helpers import free_port
-from hetfair.distributed.agent_store import fresh_store
+from hetfair.distributed.agent_store import fresh_store, join_warning
 from hetfair.errors import DistributedError
 
 
@@ -44,3 +44,10 @@ def test_a_start_whose_rank_0_never_publishes_fails_with_one_line_within_the_tim
     agent.set("hetfair/worker_store", f"{free_port()}|gone")
     with pytest.raises(DistributedError, match=r"^rank 1: rank 0 published no store of this start within 1s; "):
         fresh_store(env, 1, 2, timeout=1)
+
+
+def test_a_restartable_job_on_torchruns_shared_store_is_told_how_nodes_can_join():
+    shared = {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "3"}
+    assert "set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in join_warning(shared)
+    assert join_warning({**shared, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None  # a new store every start
+    assert join_warning({**shared, "TORCHELASTIC_MAX_RESTARTS": "0"}) is None  # never restarts

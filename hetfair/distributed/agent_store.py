@@ -36,6 +36,18 @@ def uses_agent_store(env: Mapping[str, str]) -> bool:
     return env.get(USE_AGENT_STORE_ENV) == "True"
 
 
+def join_warning(env: Mapping[str, str]) -> str | None:
+    """What to tell a torchrun job that may restart while torchrun shares its store (``None``: nothing).
+
+    With the shared store, a node that joins a running job waits for start-up keys the leading
+    agent wrote only once (torch 2.13), so it cannot take part; a new store every start avoids it.
+    """
+    if not uses_agent_store(env) or env.get("TORCHELASTIC_MAX_RESTARTS", "0") == "0":
+        return None
+    return ("torchrun shares its rendezvous store with the workers, so a node that joins this job later cannot "
+            "take part; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every torchrun of an elastic job")
+
+
 def fresh_store(env: Mapping[str, str], rank: int, world_size: int, timeout: float) -> dist.Store:
     """This start's own store, found through the agent store, within ``timeout`` seconds."""
     host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import sys
 import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass, replace
@@ -35,7 +36,7 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from hetfair.distributed.agent_store import fresh_store, uses_agent_store
+from hetfair.distributed.agent_store import fresh_store, join_warning, uses_agent_store
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.check_in import check_in
 from hetfair.distributed.per_process import check_counts, for_process
@@ -230,6 +231,9 @@ def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan, device: 
                                     timeout=pg_timeout)
         return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=local_rank, device=device)
     if plan.use_env_store:  # torchrun's shared store: find this start's own through it
+        warning = join_warning(os.environ)
+        if warning and rank == 0:
+            print(f"hetfair-train: warning: {warning}", file=sys.stderr, flush=True)
         with deadline(limit, f"rank {rank} found no store of this start through torchrun's within {timeout:.0f}s"):
             store = fresh_store(os.environ, rank, plan.world_size, timeout)
     else:
