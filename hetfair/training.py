@@ -106,8 +106,8 @@ class TrainingRun:
         self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, valid_caps,
                                    args.num_workers, forward_every_batch=args.ddp_backend == "fully_sharded")
         self.global_batch_size = global_batch_size(args, self.caps)
-        self.balancer = (LoadBalancer(self.caps, self.global_batch_size, BalanceConfig.from_args(args))
-                         if args.auto_balance else None)
+        balance = BalanceConfig.from_args(args, lag=Trainer.TIMINGS_LAG)
+        self.balancer = LoadBalancer(self.caps, self.global_batch_size, balance) if args.auto_balance else None
         self.position = Position()
         self.clock = TrainingClock()
         self.tensorboard = TensorBoardLogger(args.tensorboard_logdir, enabled=context.is_master)

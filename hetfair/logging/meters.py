@@ -132,5 +132,7 @@ class Stopwatch:
 
 
 def _add(running: list[float], values: list[float]) -> list[float]:
-    """Element-wise sum of per-rank lists (``running`` may still be empty)."""
+    """Element-wise sum of per-rank lists (either may be empty: an update without timings adds nothing)."""
+    if not values:
+        return running
     return [a + b for a, b in zip(running or [0.0] * len(values), values)]
