@@ -152,8 +152,9 @@ class Trainer:
     # -- training --------------------------------------------------------------
     def train_step(self, samples: list[Optional[dict[str, Any]]]) -> Optional[UpdateResult]:
         """One update over this rank's micro-batches (``None``: no data for that step)."""
-        self.wrapped_model.train()
-        self.criterion.train()
+        if not (self.model.training and self.criterion.training):  # validation left them in eval mode
+            self.wrapped_model.train()
+            self.criterion.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, Any] = {}
         local_samples = 0
