@@ -5,7 +5,10 @@ An update over micro-batches ``m`` on ranks ``r`` applies
 return summed losses, DDP averages gradients over ranks, and the trainer
 multiplies by ``world_size / total_sample_size`` (the total comes from the same
 single all-reduce that carries the logging stats). Any split of a global batch
-over ranks and micro-batches therefore yields the same update.
+over ranks and micro-batches therefore yields the same update. That all-reduce
+starts after the last forward and overlaps the last backward (and DDP's gradient
+all-reduce); the trainer waits for it just before normalising. Each rank's compute
+time is known only after its backward, so timings travel one update late.
 
 Mixed precision (:mod:`hetfair.precision`) leaves that math alone: each process
 runs forward and loss under its own autocast, parameters and gradients stay fp32.
