@@ -332,7 +332,8 @@ def samples_per_rank(logs: list[dict[str, Any]]) -> dict[int, list[float]]:
     lines = [record for record in logs if record["phase"] == "train_inner"]
     return {before["num_updates"]: [round(after[f"share{r}"] * GLOBAL_BATCH / 100, 6) for r in range(len(CAPS))]
             for before, after in zip(lines, lines[1:])
-            if before["bsz"] == GLOBAL_BATCH and after["num_updates"] == before["num_updates"] + 1 and "share0" in after}
+            if before["bsz"] == GLOBAL_BATCH and after["num_updates"] == before["num_updates"] + 1
+            and "share0" in after}
 
 
 def within_one_sample(actual: Sequence[float], expected: Sequence[int]) -> bool:
