@@ -251,6 +251,14 @@ def update_result(samples: list[float], seconds: list[float]) -> UpdateResult:
     return UpdateResult(totals={}, samples=samples, compute_seconds=seconds, lr=0.1, gnorm=1.0, clipped=False)
 
 
+def test_an_update_without_timings_keeps_the_intervals_per_rank_sums():
+    stats = IntervalStats(lambda logs: {})
+    stats.add(update_result([8, 8, 16, 32], [8.0, 8.0, 8.0, 8.0]), seconds=8.5)
+    stats.add(update_result([], []), seconds=8.5)  # a trainer's first update after a restore
+    metrics = stats.metrics()
+    assert [metrics[f"share{r}"] for r in range(4)] == [12.5, 12.5, 25.0, 50.0] and metrics["balance_eff"] == 1.0
+
+
 def test_balance_efficiency_is_ideal_over_slowest_rank_time():
     stats = IntervalStats(lambda totals: {})
     for _ in range(3):  # equal split on speeds 1:1:2:4: the slowest rank takes 16 s, 8 s would do
