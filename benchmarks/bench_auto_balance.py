@@ -104,7 +104,7 @@ def main() -> None:
     parser.add_argument("--sample-ms", type=float, default=40.0, help="milliseconds per sample at speed 1")
     parser.add_argument("--steady-from", type=int, default=40,
                         help="first update of the steady-state window (with the default tuning auto-balance decides "
-                             "first at update 3)")
+                             "first after update 4)")
     parser.add_argument("--setups", default="all",
                         help="comma-separated set-ups to run: equal, static, auto (default: all)")
     args = parser.parse_args()

@@ -3,6 +3,9 @@
 Each command runs as a fresh process, the variants alternating, and the median of ``--repeat``
 runs is reported. "First update" is the moment the first ``train_inner`` line (``--log-interval 1``)
 reaches the parent, for a one-update run of the MNIST plugin on Debian's Fashion-MNIST files.
+"plain PyTorch" is the same first update as a user writes it (gunzip the IDX files, standardise,
+the same CNN, Adam): what hetfair adds is the difference to it (creating a ``torch.optim``
+optimizer imports ``torch._dynamo``, about half of ``import torch`` again, in both).
 
     python benchmarks/bench_startup.py [--repeat 5] [--tree OTHER_CHECKOUT]
 
@@ -64,6 +67,29 @@ def mnist_command(tree: Path, save_dir: str) -> list[str]:
             "--log-interval", "1", "--disable-validation", "--no-save", "--save-dir", save_dir]
 
 
+PLAIN_FIRST_UPDATE = """
+import gzip, sys, numpy as np, torch, torch.nn.functional as F
+from torch import nn
+def idx(name, offset):
+    return np.frombuffer(gzip.decompress(open(f"{sys.argv[1]}/{name}", "rb").read()), np.uint8, offset=offset)
+images = torch.from_numpy(idx("train-images-idx3-ubyte.gz", 16).copy()).view(-1, 1, 28, 28)
+labels = torch.from_numpy(idx("train-labels-idx1-ubyte.gz", 8).astype(np.int64))
+counts = images.view(-1).bincount(minlength=256).double()
+values = torch.arange(256, dtype=torch.float64)
+mean = float((counts * values).sum() / counts.sum())
+std = float(((counts * (values - mean) ** 2).sum() / counts.sum()).sqrt())
+x = images.float().sub_(mean).div_(std)
+model = nn.Sequential(nn.Conv2d(1, 32, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(32, 64, 3, padding=1),
+                      nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(64 * 7 * 7, 128), nn.ReLU(),
+                      nn.Linear(128, 10))
+optimizer = torch.optim.Adam(model.parameters(), lr=1e-3)
+batch = torch.randperm(len(labels))[:32]
+F.cross_entropy(model(x[batch]), labels[batch]).backward()
+optimizer.step()
+print('"train_inner"', file=sys.stderr, flush=True)
+"""
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeat", type=int, default=5)
@@ -74,6 +100,8 @@ def main() -> None:
     cases = {"python -c 'import torch'": lambda tree, env: timed_exit([sys.executable, "-c", "import torch"], env)}
     cases["hetfair-train --help"] = lambda tree, env: timed_exit(
         [sys.executable, "-m", "hetfair_cli.train", "--help"], env)
+    cases["plain PyTorch: first update"] = lambda tree, env: timed_first_update(
+        [sys.executable, "-c", PLAIN_FIRST_UPDATE, str(FASHION_MNIST)], env)
     cases["start to first update (MNIST)"] = lambda tree, env: timed_first_update(mnist_command(tree, save_dir), env)
     times: dict[tuple[str, str], list[float]] = {}
     for _ in range(options.repeat):

@@ -308,7 +308,8 @@ def trainer_extras(trainer: Any, batch: dict[str, Any]) -> list[list[str]]:
         "  of which derived_seed(...)": lambda: derived_seed(SEED, 5, 0, 0),
         "  proposed: torch.default_generator.manual_seed(...)":
             lambda: torch.default_generator.manual_seed(derived_seed(SEED, 5, 0, 0)),
-        "model.train() + criterion.train()": lambda: (trainer.wrapped_model.train(), trainer.criterion.train()),
+        "model.train() + criterion.train() (now only after validation)":
+            lambda: (trainer.wrapped_model.train(), trainer.criterion.train()),
         "torch._foreach_mul_(grads, world / sample_size)": lambda: torch._foreach_mul_(grads, 1.0),
         "gradient norm (foreach_norm, stack, vector_norm, float)": lambda: trainer._clip_grad_norm(grads),
         "criterion logs: float(loss), argmax accuracy": lambda: (

@@ -51,8 +51,7 @@ def plain_dataset(data_dir: Path) -> Any:
     """Fashion-MNIST train images as the plugin serves them (standardised float tensors)."""
     plugin = import_plugin()
     images, labels = plugin.mnist_data.load_pair(Path(data_dir), "train")
-    mean, std = float(images.mean(dtype="float64")), float(images.std(dtype="float64"))
-    return plugin.mnist_data.ImageClassificationDataset(images, labels, mean, std)
+    return plugin.mnist_data.ImageClassificationDataset(images, labels, *plugin.mnist_data.pixel_stats(images))
 
 
 def data_subset(data_dir: Path, train_size: int | None, into: Path) -> Path:

@@ -57,12 +57,15 @@ class BalanceConfig:
     """A rank's step time off its average by more than this fraction twice in a row: re-measure."""
     first_interval: int = 0
     """Measured updates before the first decision and the one after a speed change (0: ``interval``)."""
+    lag: int = 0
+    """Updates between an update and the arrival of its timings: after a re-split, the next ``lag``
+    observations still measure the old split and are dropped."""
 
     @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "BalanceConfig":
+    def from_args(cls, args: argparse.Namespace, lag: int = 0) -> "BalanceConfig":
         # the first decision (far from balance, where waiting costs most) comes after 2 measured updates
         return cls(args.balance_warmup_updates, args.balance_interval, args.balance_smoothing,
-                   args.balance_threshold, first_interval=min(FIRST_INTERVAL, args.balance_interval))
+                   args.balance_threshold, first_interval=min(FIRST_INTERVAL, args.balance_interval), lag=lag)
 
 
 class LoadBalancer:
@@ -82,6 +85,7 @@ class LoadBalancer:
         self.split = self._split_for(self.caps)
         self.resplits = 0
         self._updates_seen = 0
+        self._stale = 0  # observations still to come that measure a superseded split
         # per rank (samples, seconds) averaged at the previous split, or None: the second point of the line
         self._previous: Optional[list[Optional[list[float]]]] = None
         # the last update's (samples, seconds) and the ranks, with the sign, that departed from the average
@@ -91,7 +95,15 @@ class LoadBalancer:
         self._restart_measurements()
 
     def observe(self, samples: Sequence[float], seconds: Sequence[float]) -> Optional[list[int]]:
-        """Record one update's per-rank samples and compute seconds; return the new split if it changes."""
+        """Record one update's per-rank samples and compute seconds; return the new split if it changes.
+
+        Empty lists (an update without timings) are ignored.
+        """
+        if not samples:
+            return None
+        if self._stale:
+            self._stale -= 1
+            return None
         self._updates_seen += 1
         if self._updates_seen <= self.config.warmup_updates:
             return None
@@ -118,6 +130,7 @@ class LoadBalancer:
         self._previous = [[n, t] for n, t in zip(self._samples, self._seconds)]
         self.split = proposal
         self.resplits += 1
+        self._stale = self.config.lag
         self._restart_measurements()
         return list(proposal)
 

@@ -5,7 +5,10 @@ An update over micro-batches ``m`` on ranks ``r`` applies
 return summed losses, DDP averages gradients over ranks, and the trainer
 multiplies by ``world_size / total_sample_size`` (the total comes from the same
 single all-reduce that carries the logging stats). Any split of a global batch
-over ranks and micro-batches therefore yields the same update.
+over ranks and micro-batches therefore yields the same update. That all-reduce
+starts after the last forward and overlaps the last backward (and DDP's gradient
+all-reduce); the trainer waits for it just before normalising. Each rank's compute
+time is known only after its backward, so timings travel one update late.
 
 Mixed precision (:mod:`hetfair.precision`) leaves that math alone: each process
 runs forward and loss under its own autocast, parameters and gradients stay fp32.
@@ -32,7 +35,14 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetfair.distributed.context import DistributedContext
-from hetfair.distributed.stats import SyncedStats, UpdateResult, is_summable, sum_logs, sync_stats
+from hetfair.distributed.stats import (
+    PendingStats,
+    SyncedStats,
+    UpdateResult,
+    is_summable,
+    start_sync_stats,
+    sum_logs,
+)
 from hetfair.distributed.zero import ShardingConfig, build_optimizer, check_ranks_agree, full_state_dict
 from hetfair.errors import CheckpointError, ConfigError, DivergenceError, first_line
 from hetfair.models import HetfairModel
@@ -85,6 +95,9 @@ class _ComputeClock:
 class Trainer:
     """Owns the model, criterion, optimizer and schedule of one process."""
 
+    TIMINGS_LAG = 1
+    """Updates between an update and the :class:`UpdateResult` that carries its per-rank timings."""
+
     def __init__(
         self,
         config: TrainerConfig,
@@ -120,6 +133,8 @@ class Trainer:
         self.lr_scheduler.step_update(0)
         self._dummy_batch = dummy_batch
         self._clock = _ComputeClock(self.params)
+        self._timing = (0.0, 0.0)  # this rank's samples and compute seconds of the last update
+        self._timed = False  # whether an update ran since start-up (or restore): its timings are real
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: nn.Module, criterion: nn.Module,
@@ -140,15 +155,17 @@ class Trainer:
     # -- training --------------------------------------------------------------
     def train_step(self, samples: list[Optional[dict[str, Any]]]) -> Optional[UpdateResult]:
         """One update over this rank's micro-batches (``None``: no data for that step)."""
-        self.wrapped_model.train()
-        self.criterion.train()
+        if not (self.model.training and self.criterion.training):  # validation left them in eval mode
+            self.wrapped_model.train()
+            self.criterion.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, Any] = {}
         local_samples = 0
+        pending: Optional[PendingStats] = None
         start = time.perf_counter()
         self._clock.last_grad_time = start
 
-        # 1. forward/backward of each micro-batch; gradients sync on the last only
+        # 1. forward/backward of each micro-batch; gradients sync in the last backward only
         for index, sample in enumerate(samples):
             is_last = index == len(samples) - 1
             if sample is None and not self._joins_collectives(is_last):
@@ -160,24 +177,23 @@ class Trainer:
                     loss, sample_size, logs = self.criterion(self.wrapped_model, batch)
                 if sample is None:
                     loss = loss * 0.0  # joins the gradient all-reduce with a zero gradient
+                    # zeroed logs keep the key set identical on every rank for the packed all-reduce
+                    logs = {k: 0.0 if isinstance(v, (int, float)) else v for k, v in logs.items()}
+                    sample_size = 0
+                else:
+                    local_samples += int(batch["nsentences"])
+                sum_logs(totals, {**logs, "sample_size": float(sample_size)})
+                totals.update((key, value) for key, value in logs.items() if not is_summable(value))
+                if is_last:
+                    # 2. the stats all-reduce (logs, global sample size, per-rank timings) overlaps the last backward
+                    pending = self._start_stats_sync(totals)
                 if self.loss_scaler is not None:
                     loss = loss * self.loss_scaler.scale
                 loss.backward()
-            if sample is None:
-                # zeroed logs keep the key set identical on every rank for the packed all-reduce
-                logs = {k: 0.0 if isinstance(v, (int, float)) else v for k, v in logs.items()}
-                sample_size = 0
-            else:
-                local_samples += int(batch["nsentences"])
-            sum_logs(totals, {**logs, "sample_size": float(sample_size)})
-            totals.update((key, value) for key, value in logs.items() if not is_summable(value))
-        compute_seconds = self._clock.last_grad_time - start
-        totals.setdefault("sample_size", 0.0)
-
-        # 2. one all-reduce: logging stats, global sample size, per-rank throughput
-        synced = sync_stats(
-            self.context, totals, {"samples": float(local_samples), "compute_seconds": compute_seconds}
-        )
+        synced = (pending or self._start_stats_sync(totals)).wait()
+        self._timing = (float(local_samples), self._clock.last_grad_time - start)
+        timing = (synced.per_rank["samples"], synced.per_rank["compute_seconds"]) if self._timed else ([], [])
+        self._timed = True
         total_sample_size = synced.totals["sample_size"]
         if total_sample_size <= 0:
             return None
@@ -185,7 +201,7 @@ class Trainer:
         # 3. normalise by the global sample count (DDP / FSDP already divided by world size), undo the loss scale
         grads = [p.grad for p in self.params if p.grad is not None]
         if self._normalise(grads, self.context.world_size / total_sample_size):
-            return self._skip(synced)
+            return self._skip(synced, timing)
 
         # 4. clip by global norm (over all shards; replicated gradients are identical on all ranks)
         gnorm = self._clip_grad_norm(grads)
@@ -202,8 +218,7 @@ class Trainer:
         if self.loss_scaler is not None:
             self.loss_scaler.update(overflow=False)
         clip_norm = self.config.clip_norm
-        return UpdateResult(synced.totals, synced.per_rank["samples"], synced.per_rank["compute_seconds"],
-                            lr=lr, gnorm=gnorm, clipped=clip_norm > 0 and gnorm > clip_norm,
+        return UpdateResult(synced.totals, *timing, lr=lr, gnorm=gnorm, clipped=clip_norm > 0 and gnorm > clip_norm,
                             loss_scale=self._loss_scale())
 
     def _normalise(self, grads: list[torch.Tensor], factor: float) -> bool:
@@ -225,12 +240,22 @@ class Trainer:
             torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
         return bool(found_inf.item())
 
-    def _skip(self, synced: SyncedStats) -> UpdateResult:
+    def _start_stats_sync(self, totals: dict[str, Any]) -> PendingStats:
+        """Start summing ``totals`` over ranks, with every rank's samples and compute seconds of the previous update.
+
+        The stats leave before the last backward, so this update's own compute time
+        is not known yet: timings arrive one update late (see :attr:`UpdateResult.samples`).
+        """
+        totals.setdefault("sample_size", 0.0)
+        samples, seconds = self._timing
+        return start_sync_stats(self.context, totals, {"samples": samples, "compute_seconds": seconds})
+
+    def _skip(self, synced: SyncedStats, timing: tuple[list[float], list[float]]) -> UpdateResult:
         """Drop an overflowed update on this rank (every rank does the same) and lower the loss scale."""
         assert self.loss_scaler is not None
         self.optimizer.zero_grad(set_to_none=True)
         self.loss_scaler.update(overflow=True)
-        return UpdateResult(synced.totals, synced.per_rank["samples"], synced.per_rank["compute_seconds"],
+        return UpdateResult(synced.totals, *timing,
                             lr=self.optimizer.param_groups[0]["lr"], gnorm=0.0, clipped=False, skipped=True,
                             loss_scale=self._loss_scale())
 

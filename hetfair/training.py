@@ -151,7 +151,7 @@ class TrainingRun:
     def _new_balancer(self) -> Optional[LoadBalancer]:
         if not self.args.auto_balance:
             return None
-        return LoadBalancer(self.caps, self.shape.step_size, BalanceConfig.from_args(self.args))
+        return LoadBalancer(self.caps, self.shape.step_size, BalanceConfig.from_args(self.args, lag=Trainer.TIMINGS_LAG))
 
     def _restore_shape(self, saved: UpdateShape) -> None:
         """Keep the checkpoint's updates (its global batch and --update-freq) on this run's ranks,

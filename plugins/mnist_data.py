@@ -77,6 +77,20 @@ def load_pair(data_dir: Path, prefix: str) -> tuple[np.ndarray, np.ndarray]:
     return images, labels
 
 
+def pixel_stats(images: np.ndarray) -> tuple[float, float]:
+    """``(mean, std)`` of all pixels of uint8 ``images``, from their 256-bin histogram.
+
+    The histogram is exact and one pass over the bytes: 0.1 s for 60k images,
+    where ``images.std(dtype=float64)`` converts every pixel and takes seconds.
+    """
+    counts = torch.from_numpy(np.ascontiguousarray(images)).reshape(-1).bincount(minlength=256).double()
+    values = torch.arange(256, dtype=torch.float64)
+    total = counts.sum()
+    mean = (counts * values).sum() / total
+    variance = (counts * (values - mean) ** 2).sum() / total
+    return float(mean), float(variance.sqrt())
+
+
 class ImageClassificationDataset(Dataset):
     """``(image float32 [1, 28, 28], label int)`` items standardised as ``(pixel - mean) / std``.
 

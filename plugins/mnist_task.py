@@ -13,7 +13,7 @@ from hetfair import register_task
 from hetfair.errors import DataError
 from hetfair.tasks import Task
 
-from .mnist_data import ImageClassificationDataset, load_pair
+from .mnist_data import ImageClassificationDataset, load_pair, pixel_stats
 from .mnist_sources import DATASETS, locate
 
 SPLITS = ("train", "valid", "test")
@@ -108,5 +108,5 @@ class MnistTask(Task):
             return 0.0, 255.0
         if self._pixel_stats is None:
             images = self._split_arrays("train")[0]
-            self._pixel_stats = float(images.mean(dtype=np.float64)), float(images.std(dtype=np.float64))
+            self._pixel_stats = pixel_stats(images)
         return self._pixel_stats

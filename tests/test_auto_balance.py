@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import random
 import shutil
+from argparse import Namespace
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Sequence
@@ -138,15 +139,18 @@ def test_a_saved_split_that_does_not_fit_is_refused(caps, global_batch):
 
 
 # -- the default tuning reacts within a few updates ------------------------------------------
-def default_config() -> BalanceConfig:
-    """The tuning ``hetfair-train --auto-balance`` uses by default."""
-    from argparse import Namespace
-
+def default_args() -> Namespace:
+    """The ``--balance-*`` defaults of ``hetfair-train``."""
     from hetfair.options import build_parser
 
     parser = build_parser()
     names = ("warmup_updates", "interval", "smoothing", "threshold")
-    return BalanceConfig.from_args(Namespace(**{f"balance_{n}": parser.get_default(f"balance_{n}") for n in names}))
+    return Namespace(**{f"balance_{n}": parser.get_default(f"balance_{n}") for n in names})
+
+
+def default_config() -> BalanceConfig:
+    """The tuning ``hetfair-train --auto-balance`` uses by default (timings on time)."""
+    return BalanceConfig.from_args(default_args())
 
 
 IDEAL_1124 = [16, 16, 32, 64]  # 128 samples in proportion 1:1:2:4
@@ -166,6 +170,34 @@ def test_per_step_overheads_converge_in_two_resplits():
     assert 1 <= len(resplits) <= 2 and resplits[-1][0] <= 12
     times = [overhead[r] + n * SPEEDS_1124[r] for r, n in enumerate(balancer.split)]
     assert max(times) - min(times) <= max(SPEEDS_1124)  # equal step times, up to one sample
+
+
+def drive_late(balancer: LoadBalancer, cost, updates: int) -> list[tuple[int, list[int]]]:
+    """:func:`drive` as the trainer feeds the balancer: each update brings the previous update's timings."""
+    resplits, previous = [], ([], [])
+    for update in range(1, updates + 1):
+        split = list(balancer.split)  # this update's; a re-split after it applies from the next
+        new = balancer.observe(*previous)
+        previous = (split, [cost(update, rank, n) for rank, n in enumerate(split)])
+        if new is not None:
+            resplits.append((update, new))
+    return resplits
+
+
+def test_late_timings_with_lag_reach_the_same_splits_one_update_later():
+    overhead = (6.0, 0.0, 3.0, 0.0)
+    late_config = BalanceConfig.from_args(default_args(), lag=1)
+    on_time = drive(LoadBalancer([96] * 4, 128, default_config()), linear(SPEEDS_1124, overhead), 100)
+    late = drive_late(LoadBalancer([96] * 4, 128, late_config), linear(SPEEDS_1124, overhead), 100)
+    assert len(on_time) == 2 and [split for _, split in late] == [split for _, split in on_time]
+    # one update for the late arrival, one for the dropped observation of the old split after the first re-split
+    assert [update for update, _ in late] == [on_time[0][0] + 1, on_time[1][0] + 2]
+
+
+def test_an_update_without_timings_is_not_measured():
+    balancer = LoadBalancer([64] * 4, 64, CONFIG)
+    assert balancer.observe([], []) is None
+    assert drive(balancer, linear(SPEEDS_1124), 30) == [(7, [8, 8, 16, 32])]  # as if it never came
 
 
 @pytest.mark.parametrize("overhead", [(0.0, 0.0, 0.0, 0.0), (3.0, 3.0, 3.0, 3.0)])
@@ -217,6 +249,14 @@ def test_restored_default_balancer_decides_like_the_original():
 
 def update_result(samples: list[float], seconds: list[float]) -> UpdateResult:
     return UpdateResult(totals={}, samples=samples, compute_seconds=seconds, lr=0.1, gnorm=1.0, clipped=False)
+
+
+def test_an_update_without_timings_keeps_the_intervals_per_rank_sums():
+    stats = IntervalStats(lambda logs: {})
+    stats.add(update_result([8, 8, 16, 32], [8.0, 8.0, 8.0, 8.0]), seconds=8.5)
+    stats.add(update_result([], []), seconds=8.5)  # a trainer's first update after a restore
+    metrics = stats.metrics()
+    assert [metrics[f"share{r}"] for r in range(4)] == [12.5, 12.5, 25.0, 50.0] and metrics["balance_eff"] == 1.0
 
 
 def test_balance_efficiency_is_ideal_over_slowest_rank_time():
@@ -294,9 +334,15 @@ def load(checkpoint: Path) -> dict[str, Any]:
 
 
 def samples_per_rank(logs: list[dict[str, Any]]) -> dict[int, list[float]]:
-    """Samples each rank processed at each full update, from the per-update shares in the log."""
-    return {record["num_updates"]: [round(record[f"share{r}"] * GLOBAL_BATCH / 100, 6) for r in range(len(CAPS))]
-            for record in logs if record["phase"] == "train_inner" and record["bsz"] == GLOBAL_BATCH}
+    """Samples each rank processed at each full update, from the per-update shares in the log.
+
+    Timings (and shares) arrive one update late: update ``u``'s shares are in the line of update ``u + 1``.
+    """
+    lines = [record for record in logs if record["phase"] == "train_inner"]
+    return {before["num_updates"]: [round(after[f"share{r}"] * GLOBAL_BATCH / 100, 6) for r in range(len(CAPS))]
+            for before, after in zip(lines, lines[1:])
+            if before["bsz"] == GLOBAL_BATCH and after["num_updates"] == before["num_updates"] + 1
+            and "share0" in after}
 
 
 def within_one_sample(actual: Sequence[float], expected: Sequence[int]) -> bool:

@@ -211,6 +211,14 @@ def test_dataset_items_are_normalised_float_images_and_int_labels(tmp_path: Path
     assert abs(all_pixels.mean().item()) < 1e-4 and abs(all_pixels.std(unbiased=False).item() - 1) < 1e-4
 
 
+def test_pixel_stats_from_the_histogram_are_numpys_mean_and_std() -> None:
+    images = np.random.default_rng(0).integers(0, 256, size=(50, 28, 28), dtype=np.uint8)
+    images[:5] = 255  # a skewed histogram
+    mean, std = mnist_data.pixel_stats(images)
+    assert mean == pytest.approx(images.mean(dtype=np.float64), rel=1e-12)
+    assert std == pytest.approx(images.std(dtype=np.float64), rel=1e-12)
+
+
 def test_every_split_is_standardised_with_the_training_statistics(tmp_path: Path) -> None:
     data_dir = write_mnist_dir(tmp_path)
     task = MnistTask.setup_task(mnist_args("--data", str(data_dir)))

@@ -48,9 +48,11 @@ class UpdateResult:
     totals: dict[str, Any]
     """The criterion's logs (and ``sample_size``) summed over ranks and micro-batches."""
     samples: list[float]
-    """Samples each rank trained on in this update, indexed by rank."""
+    """Samples each rank trained on in the *previous* update, indexed by rank (empty on a trainer's first
+    update): the stats leave before this update's last backward, so its timings travel with the next."""
     compute_seconds: list[float]
-    """Each rank's own forward/backward seconds (waiting for peers excluded), indexed by rank."""
+    """Each rank's own forward/backward seconds of the previous update (waiting for peers excluded), indexed
+    by rank; empty with :attr:`samples`."""
     lr: float
     gnorm: float
     clipped: bool
@@ -76,32 +78,56 @@ def sync_stats(
     context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float]
 ) -> SyncedStats:
     """Sum ``totals`` over ranks and gather each rank's ``per_rank`` values."""
-    if not context.is_distributed:
-        return SyncedStats(dict(totals), {k: [float(v)] for k, v in per_rank.items()})
-    keys = sorted(totals)
-    rank_keys = sorted(per_rank)
-    summable = all(is_summable(totals[k]) for k in keys)
-    world = context.world_size
-    size = len(keys) + len(rank_keys) * world + 2
-    fingerprint = _fingerprint(keys + ["|"] + rank_keys + [str(size)])
-    local = [0.0] * size
-    if summable:
-        local[: len(keys)] = [float(totals[k]) for k in keys]
-    for i, key in enumerate(rank_keys):
-        local[len(keys) + i * world + context.rank] = float(per_rank[key])
-    local[-2] = fingerprint
-    local[-1] = 0.0 if summable else 1.0
-    buffer = torch.tensor(local, dtype=torch.float64, device=comm_device(context))
-    dist.all_reduce(buffer)
-    values = buffer.tolist()
-    if values[-1] == 0 and values[-2] == world * fingerprint:
-        return SyncedStats(
-            totals=dict(zip(keys, values[: len(keys)])),
-            per_rank={
-                key: values[len(keys) + i * world : len(keys) + (i + 1) * world] for i, key in enumerate(rank_keys)
-            },
-        )
-    return _gather_json(context, totals, per_rank)
+    return start_sync_stats(context, totals, per_rank).wait()
+
+
+def start_sync_stats(
+    context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float]
+) -> "PendingStats":
+    """Start :func:`sync_stats`'s all-reduce without waiting for it (``async_op``); :meth:`PendingStats.wait` ends it.
+
+    Work issued in between (a backward pass, DDP's gradient all-reduce) overlaps the
+    stats' round trip. Every rank must start it at the same point of its collectives.
+    """
+    return PendingStats(context, totals, per_rank)
+
+
+class PendingStats:
+    """A stats all-reduce in flight; :meth:`wait` returns its :class:`SyncedStats`."""
+
+    def __init__(self, context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float]) -> None:
+        self._context, self._totals, self._per_rank = context, totals, per_rank
+        if not context.is_distributed:
+            return
+        world = context.world_size
+        self._keys, self._rank_keys = sorted(totals), sorted(per_rank)
+        summable = all(is_summable(totals[k]) for k in self._keys)
+        size = len(self._keys) + len(self._rank_keys) * world + 2
+        self._fingerprint = _fingerprint(self._keys + ["|"] + self._rank_keys + [str(size)])
+        local = [0.0] * size
+        if summable:
+            local[: len(self._keys)] = [float(totals[k]) for k in self._keys]
+        for i, key in enumerate(self._rank_keys):
+            local[len(self._keys) + i * world + context.rank] = float(per_rank[key])
+        local[-2] = self._fingerprint
+        local[-1] = 0.0 if summable else 1.0
+        self._buffer = torch.tensor(local, dtype=torch.float64, device=comm_device(context))
+        self._work = dist.all_reduce(self._buffer, async_op=True)
+
+    def wait(self) -> SyncedStats:
+        """Wait for the all-reduce (or, when some rank's values cannot be summed, gather them all as JSON)."""
+        context, totals, per_rank = self._context, self._totals, self._per_rank
+        if not context.is_distributed:
+            return SyncedStats(dict(totals), {k: [float(v)] for k, v in per_rank.items()})
+        self._work.wait()
+        values, world, keys = self._buffer.tolist(), context.world_size, self._keys
+        if values[-1] == 0 and values[-2] == world * self._fingerprint:
+            return SyncedStats(
+                totals=dict(zip(keys, values[: len(keys)])),
+                per_rank={key: values[len(keys) + i * world: len(keys) + (i + 1) * world]
+                          for i, key in enumerate(self._rank_keys)},
+            )
+        return _gather_json(context, totals, per_rank)
 
 
 def _plain(value: Any) -> Any:

@@ -132,8 +132,11 @@ class Stopwatch:
 
 
 def _add(running: list[float], values: list[float]) -> list[float]:
-    """Element-wise sum of per-rank lists; they start anew when the ranks are others (empty ``running``, or
-    a run resumed on another number of ranks)."""
+    """Element-wise sum of per-rank lists. An update without timings (empty ``values``) adds nothing;
+    the sums start anew when the ranks are others (empty ``running``, or a run resumed on another
+    number of ranks)."""
+    if not values:
+        return running
     if len(running) != len(values):
         return list(values)
     return [a + b for a, b in zip(running, values)]

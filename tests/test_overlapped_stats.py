@@ -1,0 +1,110 @@
+"""The stats all-reduce overlaps the last backward: same update as plain PyTorch, timings one update late.
+
+Two real gloo processes drive :class:`Trainer` directly with uneven micro-batches
+(rank 0: 3 + 5 samples, rank 1: 8 + none, so rank 1's last micro-batch only
+joins the collectives), and the result is compared with one plain-PyTorch loop
+over the same global batches: ``sum of losses / global count``, SGD.
+"""
+
+from __future__ import annotations
+
+import json
+from argparse import Namespace
+from pathlib import Path
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+from torch import nn
+
+from hetfair.distributed.context import DistributedContext
+from hetfair.optim.lr_scheduler.fixed import FixedSchedule
+from hetfair.trainer import Trainer, TrainerConfig
+
+UPDATES = 3
+LR = 0.1
+RANK_SIZES = [[3, 5], [8, 0]]  # micro-batch sizes per rank (0: no data in that micro-batch)
+CLIP = 0.5
+
+
+class SumCrossEntropy(nn.Module):
+    """The criterion contract in miniature: summed loss, sample count, summable logs."""
+
+    def forward(self, model: nn.Module, sample: dict[str, Any]) -> tuple[torch.Tensor, int, dict[str, float]]:
+        loss = F.cross_entropy(model(sample["x"]), sample["y"], reduction="sum")
+        return loss, len(sample["y"]), {"loss": float(loss.detach()), "nsentences": float(len(sample["y"]))}
+
+
+def global_batches() -> list[tuple[torch.Tensor, torch.Tensor]]:
+    generator = torch.Generator().manual_seed(0)
+    size = sum(map(sum, RANK_SIZES))
+    return [(torch.randn(size, 6, generator=generator), torch.randint(0, 3, (size,), generator=generator))
+            for _ in range(UPDATES)]
+
+
+def initial_model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+
+
+def rank_micro_batches(rank: int, x: torch.Tensor, y: torch.Tensor) -> list[Optional[dict[str, Any]]]:
+    """This rank's slices of the global batch: ranks in order, micro-batches in order."""
+    start = sum(map(sum, RANK_SIZES[:rank]))
+    batches: list[Optional[dict[str, Any]]] = []
+    for size in RANK_SIZES[rank]:
+        batches.append({"x": x[start:start + size], "y": y[start:start + size], "nsentences": size} if size else None)
+        start += size
+    return batches
+
+
+def _rank(rank: int, world: int, store: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
+    context = DistributedContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
+    schedule = Namespace(lr=LR, warmup_updates=0)
+    trainer = Trainer(TrainerConfig(clip_norm=CLIP, optimizer="sgd"), initial_model(), SumCrossEntropy(), context,
+                      dummy_batch={"x": torch.zeros(1, 6), "y": torch.zeros(1, dtype=torch.long), "nsentences": 1},
+                      optimizer_factory=lambda params: torch.optim.SGD(params, lr=LR),
+                      lr_scheduler_factory=lambda optimizer: FixedSchedule(schedule, optimizer))
+    results = []
+    for x, y in global_batches():
+        result = trainer.train_step(rank_micro_batches(rank, x, y))
+        assert result is not None
+        results.append({"loss": result.totals["loss"], "sample_size": result.totals["sample_size"],
+                        "samples": result.samples, "seconds": len(result.compute_seconds), "gnorm": result.gnorm})
+    params = {name: p.detach().tolist() for name, p in trainer.model.named_parameters()}
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({"results": results, "params": params}))
+    dist.destroy_process_group()
+
+
+def plain_pytorch() -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
+    """One process, whole global batches, mean loss: the update hetfair must reproduce."""
+    model = initial_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    stats = []
+    for x, y in global_batches():
+        optimizer.zero_grad()
+        loss = F.cross_entropy(model(x), y, reduction="sum")
+        (loss / len(y)).backward()
+        gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP)
+        optimizer.step()
+        stats.append({"loss": float(loss.detach()), "gnorm": float(gnorm)})
+    return stats, dict(model.named_parameters())
+
+
+def test_overlapped_stats_sync_gives_plain_pytorchs_update_and_timings_one_update_late(tmp_path):
+    world = len(RANK_SIZES)
+    mp.spawn(_rank, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
+    expected_stats, expected_params = plain_pytorch()
+    outputs = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(world)]
+    for output in outputs:
+        for name, value in output["params"].items():
+            torch.testing.assert_close(torch.tensor(value), expected_params[name].detach(), rtol=1e-5, atol=1e-6)
+        for update, (result, expected) in enumerate(zip(output["results"], expected_stats)):
+            assert result["sample_size"] == sum(map(sum, RANK_SIZES))
+            assert abs(result["loss"] - expected["loss"]) <= 1e-5 * abs(expected["loss"])
+            assert abs(result["gnorm"] - expected["gnorm"]) <= 1e-5 * expected["gnorm"]
+            # the first update carries no timings; each later one carries the previous update's
+            assert result["samples"] == ([] if update == 0 else [float(sum(sizes)) for sizes in RANK_SIZES])
+            assert result["seconds"] == (0 if update == 0 else world)
