@@ -102,6 +102,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--modes", default=",".join(MODES), help="eager, compile or both")
     parser.add_argument("--repeats", type=int, default=3, help="runs per contender")
     parser.add_argument("--scale", type=float, default=1.0, help="multiply every workload's timed updates")
+    parser.add_argument("--no-plain-compile", action="store_true",
+                        help="compiled column: compare hetfair --compile with the eager plain loop only")
+    parser.add_argument("--single-threads", type=int, default=2, help="threads of a one-process run")
     parser.add_argument("--bert-workers", type=int, default=1,
                         help="DataLoader workers of both BERT contenders (hetfair-train --num-workers)")
     parser.add_argument("--train-size", type=int, default=0,
@@ -154,9 +157,12 @@ def launcher(ranks: int) -> list[str]:
     return [sys.executable] if ranks == 1 else torchrun(ranks)
 
 
+THREADS = {1: 2}
+"""Threads of a one-process run (``--single-threads``); every rank of a 2-rank run has 1 (two cores)."""
+
+
 def threads(ranks: int) -> int:
-    """Two cores: 2 threads for one process, 1 per rank for two."""
-    return max(1, 2 // ranks)
+    return THREADS.get(ranks, 1)
 
 
 def build_cells(args: argparse.Namespace, bert_dir: Path, save_dir: Path) -> list[Cell]:
@@ -172,8 +178,10 @@ def build_cells(args: argparse.Namespace, bert_dir: Path, save_dir: Path) -> lis
             for mode in args.modes.split(","):
                 compiled = mode == "compile"
                 suffix = " --compile" if compiled else ""
-                cell.contenders["plain" + suffix] = Contender(
-                    "plain" + suffix, plain_command(w, ranks, compiled, args.data, bert_dir, args.bert_workers), env)
+                if not (compiled and args.no_plain_compile):
+                    cell.contenders["plain" + suffix] = Contender(
+                        "plain" + suffix, plain_command(w, ranks, compiled, args.data, bert_dir, args.bert_workers),
+                        env)
                 cell.contenders["hetfair" + suffix] = Contender(
                     "hetfair" + suffix,
                     hetfair_command(w, ranks, compiled, args.data, bert_dir, args.bert_workers, save_dir), env)
@@ -226,7 +234,9 @@ def report(args: argparse.Namespace, cells: list[Cell]) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    print(f"bench_vs_plain: {machine_note()}; hetfair from {REPO_ROOT}", flush=True)
+    THREADS[1] = args.single_threads
+    print(f"bench_vs_plain: {machine_note()}; hetfair from {REPO_ROOT}; 1 process x {args.single_threads} "
+          f"thread(s), 2 ranks x 1", flush=True)
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="bench_vs_plain_") as tmp:
         args.data = data_subset(args.data, args.train_size, Path(tmp) / "mnist")
