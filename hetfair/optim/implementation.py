@@ -4,7 +4,7 @@ torch's Adam, AdamW, SGD (and others) have three implementations of the same
 update: a per-parameter loop, ``foreach`` (one kernel per operation over all
 tensors) and ``fused`` (one kernel for the whole step). On CPU torch picks the
 loop unless told otherwise; the fused kernel is 3-6x faster there
-(``benchmarks/bench_vs_plain.py --optimizers``) and gives the same update up to
+(``benchmarks/bench_optimizer_impl.py``) and gives the same update up to
 float rounding. ``auto`` therefore asks for ``fused`` where the class has it,
 else ``foreach`` where it has that, else leaves torch's choice.
 """
