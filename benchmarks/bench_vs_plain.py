@@ -171,7 +171,8 @@ def build_cells(args: argparse.Namespace, bert_dir: Path, save_dir: Path) -> lis
     for w in WORKLOADS:
         if w.model not in chosen:
             continue
-        w = Workload(w.name, w.model, w.batch_size, max(2 * w.interval, int(w.updates * args.scale)), w.interval)
+        intervals = max(2, round(w.updates * args.scale / w.interval))  # whole intervals: the last line ends the run
+        w = Workload(w.name, w.model, w.batch_size, intervals * w.interval, w.interval)
         for ranks in (int(r) for r in args.ranks.split(",")):
             cell = Cell(w, ranks)
             env = subprocess_env(threads(ranks), str(REPO_ROOT))
