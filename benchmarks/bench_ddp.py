@@ -46,6 +46,7 @@ from benchmarks.common import (  # noqa: E402
     PLUGIN_DIR,
     REPO_ROOT,
     Samples,
+    arch_flags,
     clocked_run,
     data_subset,
     machine_note,
@@ -81,8 +82,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--also-tree", action="append", default=[], metavar="LABEL=PATH",
                         help="also run hetfair from the source tree PATH (e.g. a copy with a proposed fix), "
                              "reported as CONTENDER[LABEL]; repeatable")
+    parser.add_argument("--hetfair-variant", action="append", default=[], metavar="LABEL=FLAGS",
+                        help="also run hetfair-train under torchrun with these extra flags (e.g. "
+                             "'cap5=--bucket-cap-mb 5'), reported as hetfair-torchrun[LABEL]; repeatable")
     parser.add_argument("--quick", action="store_true", help="small sizes: finishes in under a minute")
     parser.add_argument("--worker", choices=("plain-ddp", "plain-spawn"), help=argparse.SUPPRESS)
+    parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.model, args.updates, args.interval, args.repeats = "mnist_cnn_small", 40, 10, 1
@@ -109,6 +114,8 @@ def plain_ddp_worker(args: argparse.Namespace) -> None:
     model = DistributedDataParallel(plain_model(args.model))
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    if args.compile:
+        model = torch.compile(model)
     total = args.interval + args.updates
     updates, epoch, started = 0, 0, time.perf_counter()
     while updates < total:
@@ -165,7 +172,7 @@ def torchrun(ranks: int) -> list[str]:
 
 
 def hetfair_options(args: argparse.Namespace, save_dir: Path, plugin_dir: Path = PLUGIN_DIR) -> list[str]:
-    return ["--user-dir", str(plugin_dir), "--task", "mnist", "--data", str(args.data), "--arch", args.model,
+    return ["--user-dir", str(plugin_dir), "--task", "mnist", "--data", str(args.data), *arch_flags(args.model),
             "--cpu", "--max-sentences", str(args.batch_size), "--optimizer", "adam", "--lr", str(LR),
             "--seed", str(SEED), "--max-epoch", "0", "--max-update", str(args.interval + args.updates),
             "--log-format", "json", "--log-interval", str(args.interval), "--disable-validation", "--no-save",
@@ -193,6 +200,12 @@ def contenders(args: argparse.Namespace, save_dir: Path) -> list[Contender]:
             command = ([*torchrun(args.ranks), *hetfair] if name == "hetfair-torchrun"
                        else [sys.executable, *hetfair, "--distributed-world-size", str(args.ranks)])
             result.append(Contender(tree.tag(name), command, tree.env(args.threads), tree.root, baseline))
+    for spec in args.hetfair_variant:
+        label, _, flags = spec.partition("=")
+        command = [*torchrun(args.ranks), "-m", "hetfair_cli.train", *hetfair_options(args, save_dir), *flags.split()]
+        baseline = "plain-torchrun" if "plain-torchrun" in chosen else None
+        result.append(Contender(f"hetfair-torchrun[{label}]", command, trees[0].env(args.threads), REPO_ROOT,
+                                baseline))
     return result
 
 

@@ -53,6 +53,7 @@ from benchmarks.common import (  # noqa: E402
     PLUGIN_DIR,
     REPO_ROOT,
     Samples,
+    arch_flags,
     clocked_run,
     data_subset,
     machine_note,
@@ -97,6 +98,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="small sizes: finishes in under a minute")
     parser.add_argument("--worker", choices=("plain-e2e",), help=argparse.SUPPRESS)
     parser.add_argument("--arch", help=argparse.SUPPRESS)
+    parser.add_argument("--compile", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--updates", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -116,7 +118,7 @@ class Contender:
 
 
 def hetfair_args(arch: str, data: Path, batch_size: int, *extra: str, plugin_dir: Path = PLUGIN_DIR) -> list[str]:
-    return ["--user-dir", str(plugin_dir), "--task", "mnist", "--data", str(data), "--arch", arch, "--cpu",
+    return ["--user-dir", str(plugin_dir), "--task", "mnist", "--data", str(data), *arch_flags(arch), "--cpu",
             "--max-sentences", str(batch_size), "--optimizer", "adam", "--lr", str(LR), "--seed", str(SEED),
             "--disable-validation", "--no-save", *extra]
 
@@ -204,6 +206,8 @@ def plain_e2e_worker(args: argparse.Namespace) -> None:
     model = plain_model(args.arch)
     model.train()
     optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    if args.compile:
+        model = torch.compile(model)
     updates, started = 0, time.perf_counter()
     while updates < args.updates:
         for inputs, targets in loader:

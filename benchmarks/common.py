@@ -35,7 +35,16 @@ PLAIN_MODELS: dict[str, dict[str, Any]] = {
     "mnist_cnn": {"conv1_channels": 32, "conv2_channels": 64, "fc_dim": 128, "dropout": 0.0},
     "mnist_cnn_small": {"conv1_channels": 16, "conv2_channels": 32, "fc_dim": 64, "dropout": 0.0},
     "mnist_mlp": {"hidden_dim": 256, "dropout": 0.0},
+    # the peers' Fashion-MNIST CNN: two convolutions and dropout before the classifier
+    "mnist_cnn_dropout": {"conv1_channels": 32, "conv2_channels": 64, "fc_dim": 128, "dropout": 0.5},
 }
+
+
+def arch_flags(model: str) -> list[str]:
+    """``hetfair-train`` flags that build :data:`PLAIN_MODELS` ``[model]`` from the MNIST plugin."""
+    if model == "mnist_cnn_dropout":
+        return ["--arch", "mnist_cnn", "--dropout", "0.5"]
+    return ["--arch", model]
 
 
 # -- data and model of the plain baselines ---------------------------------------------
@@ -82,7 +91,7 @@ def plain_model(arch: str) -> Any:
     """The plugin's model class built directly, without hetfair's options or registries."""
     plugin = import_plugin()
     classes = {"mnist_cnn": plugin.mnist_models.MnistCNN, "mnist_cnn_small": plugin.mnist_models.MnistCNN,
-               "mnist_mlp": plugin.mnist_models.MnistMLP}
+               "mnist_mlp": plugin.mnist_models.MnistMLP, "mnist_cnn_dropout": plugin.mnist_models.MnistCNN}
     return classes[arch](**PLAIN_MODELS[arch])
 
 

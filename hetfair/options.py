@@ -21,6 +21,7 @@ from hetfair.distributed.zero import parse_shard_weights
 from hetfair.errors import ConfigError
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
+from hetfair.optim.implementation import IMPLEMENTATIONS
 from hetfair.plugins import import_user_dir
 from hetfair.precision import parse_precision
 from hetfair.tasks import TASK_REGISTRY
@@ -104,6 +105,12 @@ def add_optimization_args(parser: argparse.ArgumentParser) -> None:
                        help="clip gradients to this global norm (0: off)")
     group.add_argument("--warmup-updates", type=int, default=0, metavar="N",
                        help="linear learning-rate warm-up over N updates (every scheduler)")
+    group.add_argument("--optimizer-impl", choices=IMPLEMENTATIONS, default="auto",
+                       help="torch's implementation of the optimizer step: auto picks fused where torch has it "
+                            "(3-6x faster steps on CPU, same update up to float rounding), else foreach")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile the model (dynamic batch dimension: no recompiling for other "
+                            "per-rank batch sizes); the first updates are slow while it compiles")
 
 
 def add_precision_args(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +187,9 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                             "all-reduce when they can be summed")
     group.add_argument("--find-unused-parameters", action="store_true",
                        help="let DDP handle parameters that get no gradient")
+    group.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB",
+                       help="DDP gradient bucket size in MiB (as fairseq); gradients are all-reduced bucket by "
+                            "bucket while the backward pass goes on")
     group.add_argument("--ddp-backend", choices=("c10d", "fully_sharded"), default="c10d",
                        help="c10d: replicate the model (DistributedDataParallel); fully_sharded: shard "
                             "parameters, gradients and optimizer state over the ranks (FSDP2), for models "
@@ -369,7 +379,7 @@ _INT_MINIMUM = {
     "keep_interval_updates": -1, "keep_last_epochs": -1,
 }
 _INT_MAXIMUM = {"seed": 2**63 - 1, "distributed_port": 65535}
-_FLOAT_MINIMUM = {"lr": 0.0, "weight_decay": 0.0, "clip_norm": 0.0}
+_FLOAT_MINIMUM = {"lr": 0.0, "weight_decay": 0.0, "clip_norm": 0.0, "bucket_cap_mb": 0.0}
 
 
 def _flag(name: str) -> str:

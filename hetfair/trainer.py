@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hetfair.compile import compile_model
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.stats import (
     PendingStats,
@@ -69,11 +70,16 @@ class TrainerConfig:
     """With ``fully_sharded``: free each unit's gathered parameters after its forward."""
     precision: str = "fp32"
     """This process's forward/loss precision: fp32, bf16 or fp16 (under autocast)."""
+    compile: bool = False
+    """``torch.compile`` the model in place, its batch dimension dynamic (``--compile``)."""
+    bucket_cap_mb: float = 25.0
+    """DDP's gradient bucket size in MiB (``--bucket-cap-mb``)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainerConfig":
         return cls(args.seed, args.clip_norm, args.find_unused_parameters, args.optimizer, args.reset_optimizer,
-                   args.ddp_backend == "fully_sharded", not args.no_reshard_after_forward, args.precision)
+                   args.ddp_backend == "fully_sharded", not args.no_reshard_after_forward, args.precision,
+                   args.compile, args.bucket_cap_mb)
 
 
 class _ComputeClock:
@@ -117,6 +123,8 @@ class Trainer:
         # fully sharded: shard first, then move only the shards (the whole model need not fit the device)
         self._fsdp = _fully_shard(model, config, context) if config.fully_sharded else None
         self.model = model.to(context.device)
+        if config.compile:
+            compile_model(self.model)
         self.wrapped_model: nn.Module = self.model
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         if context.is_distributed and self._fsdp is None:
@@ -124,6 +132,8 @@ class Trainer:
                 self.model,
                 device_ids=[context.device.index] if context.device.type == "cuda" else None,
                 find_unused_parameters=config.find_unused_parameters,
+                bucket_cap_mb=config.bucket_cap_mb,
+                gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copy in or out
             )
         self.optimizer = optimizer_factory(self.params)
         self.lr_scheduler = lr_scheduler_factory(self.optimizer)
@@ -363,6 +373,8 @@ def _fully_shard(model: nn.Module, config: TrainerConfig, context: DistributedCo
 
 
 _NOT_SETTINGS = ("params", "lr", "initial_lr")  # the learning rate belongs to the LR scheduler
+_IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+"""How torch computes the step, not what it computes: set from the command line without a notice."""
 
 
 def _settings(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
@@ -375,7 +387,7 @@ def _override_settings(optimizer: torch.optim.Optimizer, settings: list[dict[str
     changed: dict[str, tuple[Any, Any]] = {}
     for group, wanted in zip(optimizer.param_groups, settings, strict=True):
         for name, value in wanted.items():
-            if not _same(group.get(name), value):
+            if name not in _IMPLEMENTATION and not _same(group.get(name), value):
                 changed.setdefault(name, (group.get(name), value))
             group[name] = value
     return changed

@@ -32,7 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair.bert",),  # hetfair's own plugin family (see PLUGIN_FAMILIES)
     ("hetfair.tasks",),  # the Task base class
     ("hetfair.models", "hetfair.criteria", "hetfair.optim"),  # component base classes and registries
-    ("hetfair.precision",),  # autocast per process, the job's one loss scale
+    ("hetfair.precision", "hetfair.compile"),  # autocast per process, the job's one loss scale; --compile
     ("hetfair.distributed",),  # process groups, launching, collectives: no knowledge of components
     ("hetfair.registry", "hetfair.plugins"),  # the generic registry, plugin discovery
     ("hetfair.errors", "hetfair.utils", "hetfair.rng"),  # leaves

@@ -56,7 +56,7 @@ def build_optimizer(
                if sharding.zero_shard_weights else None)
     from hetfair.distributed.zero_optimizer import ShardedOptimizer  # torch.distributed.optim costs 0.65 s to import
 
-    return ShardedOptimizer(params, recipe.torch_class, weights, **recipe.torch_kwargs(args))
+    return ShardedOptimizer(params, recipe.torch_class, weights, **recipe.build_kwargs(args, params))
 
 
 def check_ranks_agree(sharding: ShardingConfig, context: DistributedContext) -> None:

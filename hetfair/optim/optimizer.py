@@ -7,6 +7,8 @@ from typing import Any, Iterable
 
 import torch
 
+from hetfair.optim.implementation import implementation_kwargs
+
 
 class HetfairOptimizer:
     """Says which ``torch.optim`` class to build and with which keyword arguments.
@@ -28,5 +30,11 @@ class HetfairOptimizer:
         return {"lr": args.lr, "weight_decay": args.weight_decay}
 
     @classmethod
+    def build_kwargs(cls, args: argparse.Namespace, params: list[torch.nn.Parameter]) -> dict[str, Any]:
+        """:meth:`torch_kwargs` plus the implementation ``--optimizer-impl`` chooses for ``params``."""
+        return {**cls.torch_kwargs(args), **implementation_kwargs(cls.torch_class, args.optimizer_impl, params)}
+
+    @classmethod
     def build(cls, args: argparse.Namespace, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
-        return cls.torch_class(params, **cls.torch_kwargs(args))
+        params = list(params)
+        return cls.torch_class(params, **cls.build_kwargs(args, params))
