@@ -56,6 +56,7 @@ def prepare_data(workdir: Path) -> Path:
     data = workdir / "data"
     if (data / "train.idx").exists():
         return data
+    workdir.mkdir(parents=True, exist_ok=True)
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     from pretrain_bert_jargon import write_splits
 
