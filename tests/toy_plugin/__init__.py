@@ -53,9 +53,10 @@ class ToyMLP(HetfairModel):
         return cls(args.toy_hidden, args.toy_step_seconds, args.toy_pause_file)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.training:
+        if self.training and self.step_seconds:  # Python-level branches: --compile traces no sleep
             time.sleep(self.step_seconds)
-            while self.pause_file is not None and self.pause_file.exists():
+        if self.training and self.pause_file is not None:
+            while self.pause_file.exists():
                 time.sleep(0.02)
         return self.net(x)
 
