@@ -157,6 +157,17 @@ def _children() -> dict[int, list[int]]:
     return tree
 
 
+def descendants(pid: int) -> list[int]:
+    """Every live process below ``pid`` (children, their children, ...), found through /proc."""
+    tree = _children()
+    found, todo = [], [pid]
+    while todo:
+        for child in tree.get(todo.pop(), []):
+            found.append(child)
+            todo.append(child)
+    return found
+
+
 def tree_cpu_seconds(root: int) -> float:
     """User + system CPU seconds used so far by ``root`` and all its live descendants."""
     tree = _children()

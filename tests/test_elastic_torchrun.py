@@ -25,6 +25,12 @@ from pathlib import Path
 from helpers import final_parameters, free_port, is_running, subprocess_env
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
+_SHARED = str(Path(__file__).resolve().parents[1] / "benchmarks")  # common.py, shared with bench_elastic
+if _SHARED not in sys.path:
+    sys.path.append(_SHARED)
+
+from common import descendants  # noqa: E402
+
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 # a node that left is noticed within ~3s of missed heartbeats; a round closes 1s after its last join
 RDZV_CONF = "join_timeout=60,last_call_timeout=1,close_timeout=5,keep_alive_interval=1,keep_alive_max_attempt=3"
@@ -82,24 +88,6 @@ class Cluster:
         for agent in self.agents.values():
             if agent.poll() is None:
                 os.killpg(agent.pid, signal.SIGKILL)
-
-
-def descendants(pid: int) -> list[int]:
-    """Every process below ``pid``, found through /proc."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            children.setdefault(parent, []).append(int(entry.name))
-    found, todo = [], [pid]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            found.append(child)
-            todo.append(child)
-    return found
 
 
 def test_a_run_that_gains_and_loses_nodes_ends_as_an_uninterrupted_one(tmp_path):
