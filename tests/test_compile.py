@@ -10,16 +10,14 @@ from __future__ import annotations
 
 import os
 
-from helpers import final_parameters, free_port, run_nodes
+from helpers import final_parameters, free_port, node_commands, run_nodes
 from toy_reference import EPOCHS, assert_same, reference_parameters, toy_train_args
 
 
 def test_compiled_training_matches_eager_pytorch_without_recompiling_for_other_batch_sizes(tmp_path):
     save_dir = tmp_path / "ckpt"
     init = f"tcp://127.0.0.1:{free_port()}"
-    commands = [toy_train_args(save_dir, 1, ("--compile",)) + [
-        "--max-sentences", str(batch), "--distributed-world-size", "2", "--distributed-rank", str(rank),
-        "--distributed-gpus", "1", "--distributed-init-method", init] for rank, batch in enumerate((8, 24))]
+    commands = node_commands(toy_train_args(save_dir, 1, ("--compile",)), (8, 24), init)
     os.environ["TORCH_LOGS"] = "recompiles,guards"  # read by the ranks' torch; restored below
     try:
         results = run_nodes(commands, cwd=tmp_path, timeout=300)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import final_parameters, free_port, run_nodes
+from helpers import final_parameters, free_port, node_commands, run_nodes
 from toy_reference import TRAIN_SIZE, assert_same, reference_parameters, toy_train_args
 
 
@@ -24,14 +24,7 @@ def run_cluster(tmp_path: Path, batch_sizes: list[int], update_freq: int, init: 
         init_method = f"file://{tmp_path / ('rendezvous_' + save_dir.name)}"
     else:
         init_method = f"tcp://127.0.0.1:{free_port()}"
-    world = len(batch_sizes)
-    commands = []
-    for rank, batch in enumerate(batch_sizes):
-        node = ["--max-sentences", str(batch)]
-        if world > 1:
-            node += ["--distributed-world-size", str(world), "--distributed-rank", str(rank),
-                     "--distributed-gpus", "1", "--distributed-init-method", init_method]
-        commands.append(toy_train_args(save_dir, update_freq, extra) + node)
+    commands = node_commands(toy_train_args(save_dir, update_freq, extra), batch_sizes, init_method)
     for result in run_nodes(commands, cwd=tmp_path):
         assert result.returncode == 0, result.stderr
     return final_parameters(save_dir)
