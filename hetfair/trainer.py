@@ -9,6 +9,10 @@ over ranks and micro-batches therefore yields the same update. That all-reduce
 starts after the last forward and overlaps the last backward (and DDP's gradient
 all-reduce); the trainer waits for it just before normalising. Each rank's compute
 time is known only after its backward, so timings travel one update late.
+With one of torch's fused optimizers the multiplication (and the clipping
+coefficient) is not a pass of its own: the fused step divides each gradient by
+its ``grad_scale`` as it reads it, the protocol ``torch.amp.GradScaler`` uses,
+and leaves the gradients normalised.
 
 Mixed precision (:mod:`hetfair.precision`) leaves that math alone: each process
 runs forward and loss under its own autocast, parameters and gradients stay fp32.
@@ -136,6 +140,12 @@ class Trainer:
                 gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copy in or out
             )
         self.optimizer = optimizer_factory(self.params)
+        self._scales_in_step = loss_scaler is None and self._fsdp is None and _fused_step(self.optimizer)
+        """The optimizer's fused step divides the gradients by ``grad_scale`` as it reads them (as under
+        ``torch.amp.GradScaler``), so normalising and clipping cost no pass of their own over the gradients."""
+        self._grad_scale = torch.ones((), device=context.device)
+        if self._scales_in_step:
+            self.optimizer.grad_scale = self._grad_scale  # type: ignore[attr-defined]
         self.lr_scheduler = lr_scheduler_factory(self.optimizer)
         self.num_updates = 0
         self.optimizer_overrides: dict[str, tuple[Any, Any]] = {}
@@ -208,17 +218,24 @@ class Trainer:
         if total_sample_size <= 0:
             return None
 
-        # 3. normalise by the global sample count (DDP / FSDP already divided by world size), undo the loss scale
+        # 3. normalise by the global sample count (DDP / FSDP already divided by world size), undo the loss scale;
+        #    a fused optimizer step divides by it itself (see _scales_in_step)
+        factor = self.context.world_size / total_sample_size
         grads = [p.grad for p in self.params if p.grad is not None]
-        if self._normalise(grads, self.context.world_size / total_sample_size):
+        owed = factor if self._scales_in_step else 1.0
+        if not self._scales_in_step and self._normalise(grads, factor):
             return self._skip(synced, timing)
 
         # 4. clip by global norm (over all shards; replicated gradients are identical on all ranks)
-        gnorm = self._clip_grad_norm(grads)
+        gnorm, multiplier = self._clip_grad_norm(grads, owed)
         if not math.isfinite(gnorm):
             raise DivergenceError(
                 f"gradient norm is {gnorm} at update {self.num_updates + 1}; lower --lr or set --clip-norm"
             )
+        if self._scales_in_step:
+            self._grad_scale.fill_(1.0 / multiplier)
+        elif multiplier != 1.0:
+            torch._foreach_mul_(grads, multiplier)
 
         # 5. step and schedule
         lr = self.optimizer.param_groups[0]["lr"]
@@ -288,16 +305,20 @@ class Trainer:
             return nullcontext()
         return self.wrapped_model.no_sync()  # type: ignore[operator]
 
-    def _clip_grad_norm(self, grads: list[torch.Tensor]) -> float:
-        if self._fsdp is not None:
-            if self.config.clip_norm > 0:
-                return self._fsdp.clip_grad_norm(self.params, self.config.clip_norm)
-            return self._fsdp.total_norm(grads)
-        if self.config.clip_norm > 0:
-            return float(torch.nn.utils.clip_grad_norm_(self.params, self.config.clip_norm))
+    def _clip_grad_norm(self, grads: list[torch.Tensor], owed: float) -> tuple[float, float]:
+        """The norm of the normalised gradients ``owed * grads``, and the multiplier the gradients still need:
+        ``owed`` times the clipping coefficient (``--clip-norm``, computed as ``clip_grad_norm_`` does)."""
+        clip_norm = self.config.clip_norm
+        if self._fsdp is not None:  # owed is 1: sharded gradients are normalised in place
+            if clip_norm > 0:
+                return self._fsdp.clip_grad_norm(self.params, clip_norm), 1.0
+            return self._fsdp.total_norm(grads), 1.0
         if not grads:
-            return 0.0
-        return float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))))
+            return 0.0, owed
+        gnorm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) * owed
+        if clip_norm > 0:
+            return gnorm, owed * min(1.0, clip_norm / (gnorm + 1e-6))
+        return gnorm, owed
 
     # -- checkpoint state -------------------------------------------------------
     def optimizer_state_dict(self) -> Optional[dict[str, Any]]:
@@ -397,6 +418,12 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
         return torch.equal(torch.as_tensor(a), torch.as_tensor(b))
     return a == b
+
+
+def _fused_step(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` is one of torch's fused implementations, which take a ``grad_scale`` to divide by."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
+        group.get("fused") for group in optimizer.param_groups)
 
 
 def _seed_rng(seed: int, device: torch.device) -> None:

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
+import struct
 from pathlib import Path
 from typing import Any, Mapping
 
-import numpy as np
 import torch
 
 from hetfair.errors import ConfigError
@@ -25,9 +26,13 @@ def move_to_device(sample: Any, device: torch.device) -> Any:
 
 
 def derived_seed(*parts: int) -> int:
-    """A 63-bit seed that depends on every part (e.g. seed, update, micro-batch, rank)."""
-    return int(np.random.SeedSequence([int(p) for p in parts]).generate_state(2, dtype=np.uint32).view(np.uint64)[0]
-               >> np.uint64(1))
+    """A 63-bit seed that depends on every part (e.g. seed, update, micro-batch, rank).
+
+    BLAKE2b of the parts as signed 64-bit integers: about 1 us, against 15 us for
+    numpy's ``SeedSequence``, and it runs once per micro-batch.
+    """
+    digest = hashlib.blake2b(struct.pack(f"<{len(parts)}q", *parts), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def state_dict_mismatch(model_state: Mapping[str, Any], loaded: Mapping[str, Any], shown: int = 3) -> str:

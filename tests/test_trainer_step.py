@@ -1,9 +1,11 @@
-"""One process's ``Trainer.train_step``: train mode after validation, timings one update late."""
+"""One process's ``Trainer.train_step``: train mode after validation, timings one update late, the update's math."""
 
 from __future__ import annotations
 
+import copy
 from argparse import Namespace
 
+import pytest
 import torch
 from torch import nn
 
@@ -43,3 +45,41 @@ def test_each_update_reports_the_previous_updates_samples():
     assert [r.samples for r in results] == [[], [4.0], [7.0]]
     assert [len(r.compute_seconds) for r in results] == [0, 1, 1] and results[2].compute_seconds[0] > 0
     assert [r.totals["sample_size"] for r in results] == [4.0, 7.0, 5.0]  # the logs are the update's own
+
+
+@pytest.mark.parametrize("make_optimizer", [
+    pytest.param(lambda params: torch.optim.Adam(params, lr=0.01, fused=True), id="adam-fused"),
+    pytest.param(lambda params: torch.optim.Adam(params, lr=0.01, foreach=True), id="adam-foreach"),
+    pytest.param(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9, fused=True), id="sgd-fused"),
+])
+@pytest.mark.parametrize("clip_norm", [0.0, 0.3])
+def test_normalised_and_clipped_update_equals_plain_pytorch(make_optimizer, clip_norm):
+    """A fused step divides the gradients itself (``grad_scale``); either way the update, and the reported
+    norm, are plain PyTorch's mean-loss update with ``clip_grad_norm_``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 3))
+    reference = copy.deepcopy(model)
+    context = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
+    trainer = Trainer(TrainerConfig(clip_norm=clip_norm), model, SumCrossEntropy(), context,
+                      dummy_batch=batch(1), optimizer_factory=make_optimizer,
+                      lr_scheduler_factory=lambda optimizer: FixedSchedule(Namespace(lr=optimizer.defaults["lr"],
+                                                                                     warmup_updates=0), optimizer))
+    assert trainer._scales_in_step == bool(trainer.optimizer.defaults.get("fused"))
+    optimizer = make_optimizer(list(reference.parameters()))
+    for update in range(4):
+        micro_batches = [batch(4 + update), batch(7 + update)]  # one update over two micro-batches
+        result = trainer.train_step(micro_batches)
+
+        optimizer.zero_grad()
+        total = sum(b["nsentences"] for b in micro_batches)
+        for b in micro_batches:
+            (nn.functional.cross_entropy(reference(b["x"]), b["y"], reduction="sum") / total).backward()
+        norm = (torch.nn.utils.clip_grad_norm_(reference.parameters(), clip_norm) if clip_norm
+                else torch.nn.utils.get_total_norm([p.grad for p in reference.parameters()]))
+        optimizer.step()
+
+        assert result.gnorm == pytest.approx(float(norm), rel=1e-5)
+        assert result.clipped == (clip_norm > 0 and float(norm) > clip_norm)
+        for ours, theirs in zip(model.parameters(), reference.parameters()):
+            torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+            torch.testing.assert_close(ours.grad, theirs.grad, rtol=1e-5, atol=1e-7)  # left normalised (and clipped)
