@@ -123,8 +123,9 @@ def hetfair_args(arch: str, data: Path, batch_size: int, *extra: str, plugin_dir
             "--disable-validation", "--no-save", *extra]
 
 
-def build_contenders(arch: str, args: argparse.Namespace) -> tuple[Contender, Contender, Any, list[dict[str, Any]]]:
-    """The plain loop and hetfair's Trainer, same initial weights, plus a pool of batches."""
+def build_contenders(arch: str, args: argparse.Namespace) -> tuple[list[Contender], Any, list[dict[str, Any]]]:
+    """The plain loop with torch's default optimizer implementation, the same loop with the fused step
+    hetfair uses by default, and hetfair's Trainer; same initial weights; plus a pool of batches."""
     from hetfair.data.rank_batches import dummy_batch
     from hetfair.distributed.context import DistributedContext
     from hetfair.options import parse_train_args
@@ -136,8 +137,6 @@ def build_contenders(arch: str, args: argparse.Namespace) -> tuple[Contender, Co
     dataset = task.dataset(options.train_subset)
     torch.manual_seed(SEED)
     model = task.build_model(options)
-    plain = plain_model(arch)
-    plain.load_state_dict(model.state_dict())
     context = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     trainer = Trainer.from_args(options, model, task.build_criterion(options), context,
                                 dummy_batch(dataset, task.collater))
@@ -146,19 +145,26 @@ def build_contenders(arch: str, args: argparse.Namespace) -> tuple[Contender, Co
     pool = [task.collater([dataset[i] for i in order[k * args.batch_size:(k + 1) * args.batch_size]])
             for k in range(32)]
 
-    optimizer = torch.optim.Adam(plain.parameters(), lr=LR)
-    plain.train()
+    def plain_loop(**optimizer_kwargs: Any) -> Callable[[dict[str, Any]], None]:
+        plain = plain_model(arch)
+        plain.load_state_dict(model.state_dict())
+        plain.train()
+        optimizer = torch.optim.Adam(plain.parameters(), lr=LR, **optimizer_kwargs)
 
-    def plain_step(batch: dict[str, Any]) -> None:
-        optimizer.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(plain(batch["net_input"]["x"]), batch["target"])
-        loss.backward()
-        optimizer.step()
+        def plain_step(batch: dict[str, Any]) -> None:
+            optimizer.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(plain(batch["net_input"]["x"]), batch["target"])
+            loss.backward()
+            optimizer.step()
+
+        return plain_step
 
     def hetfair_step(batch: dict[str, Any]) -> None:
         trainer.train_step([batch])
 
-    return Contender("plain", plain_step), Contender("hetfair", hetfair_step), trainer, pool
+    contenders = [Contender("plain", plain_loop()), Contender("plain, fused step", plain_loop(fused=True)),
+                  Contender("hetfair", hetfair_step)]
+    return contenders, trainer, pool
 
 
 def run_block(contender: Contender, pool: list[dict[str, Any]], count: int, offset: int) -> None:
@@ -174,26 +180,29 @@ def paired_ratio(numerator: Samples, denominator: Samples) -> Samples:
 
 
 def bench_in_process(args: argparse.Namespace, models: list[str]) -> list[list[str]]:
+    """One row per model and baseline: hetfair's time per update against each plain loop's."""
     rows = []
     for arch in models:
-        plain, hetfair, _, pool = build_contenders(arch, args)
-        for contender in (plain, hetfair):
+        contenders, _, pool = build_contenders(arch, args)
+        for contender in contenders:
             for i in range(args.warmup):
                 contender.step(pool[i % len(pool)])
         for rep in range(args.repeats):
-            pair = (plain, hetfair) if rep % 2 == 0 else (hetfair, plain)
-            for contender in pair:
+            for contender in contenders if rep % 2 == 0 else contenders[::-1]:
                 run_block(contender, pool, args.block, rep * args.block)
-        wall_ratio, cpu_ratio = paired_ratio(hetfair.wall, plain.wall), paired_ratio(hetfair.cpu, plain.cpu)
-        rows.append([
-            f"{arch} (bs {args.batch_size})",
-            f"{plain.wall.median * 1e3:.2f}", plain.wall.spread("{:.1f}", scale=1e3),
-            f"{hetfair.wall.median * 1e3:.2f}", hetfair.wall.spread("{:.1f}", scale=1e3),
-            f"{wall_ratio.median:.3f}",
-            f"{plain.cpu.median * 1e3:.2f}", f"{hetfair.cpu.median * 1e3:.2f}",
-            f"{cpu_ratio.median:.3f}", cpu_ratio.spread("{:.2f}"),
-            f"{(hetfair.cpu.median - plain.cpu.median) * 1e6:+.0f}",
-        ])
+        *baselines, hetfair = contenders
+        for plain in baselines:
+            wall_ratio, cpu_ratio = paired_ratio(hetfair.wall, plain.wall), paired_ratio(hetfair.cpu, plain.cpu)
+            extra = Samples([h - p for h, p in zip(hetfair.cpu.values, plain.cpu.values)])
+            rows.append([
+                f"{arch} (bs {args.batch_size})", plain.name,
+                f"{plain.wall.median * 1e3:.2f}", plain.wall.spread("{:.1f}", scale=1e3),
+                f"{hetfair.wall.median * 1e3:.2f}", hetfair.wall.spread("{:.1f}", scale=1e3),
+                f"{wall_ratio.median:.3f}",
+                f"{plain.cpu.median * 1e3:.2f}", f"{hetfair.cpu.median * 1e3:.2f}",
+                f"{cpu_ratio.median:.3f}", cpu_ratio.spread("{:.2f}"),
+                f"{extra.median * 1e6:+.0f}",
+            ])
     return rows
 
 
@@ -282,7 +291,8 @@ def bench_end_to_end(args: argparse.Namespace, models: list[str]) -> list[list[s
 
 # -- where the time goes ------------------------------------------------------------------
 def profile_trainer(args: argparse.Namespace, arch: str) -> None:
-    _, hetfair, trainer, pool = build_contenders(arch, args)
+    contenders, trainer, pool = build_contenders(arch, args)
+    hetfair = contenders[-1]
     for i in range(args.warmup):
         hetfair.step(pool[i % len(pool)])
     profiler = cProfile.Profile(timer=time.process_time)
@@ -296,28 +306,26 @@ def profile_trainer(args: argparse.Namespace, arch: str) -> None:
     print("\n".join(line for line in text.getvalue().splitlines() if line.strip())[:6000])
     print_table(f"Trainer extras beyond a plain update, timed alone ({arch}; us per call)",
                 ["operation (once per micro-batch / update)", "us"], trainer_extras(trainer, pool[0]),
-                notes=["torch.manual_seed's cost grows with the Python stack depth (it formats the stack "
-                       "for lazily seeded CUDA/XPU/MTIA)"])
+                notes=["timed alone, with the gradients in cache: inside an update the gradient norm costs more",
+                       "the normalisation by the global sample count is folded into the fused step (grad_scale)"])
 
 
 def trainer_extras(trainer: Any, batch: dict[str, Any]) -> list[list[str]]:
-    from hetfair.utils import derived_seed
+    from hetfair.trainer import _seed_rng
+    from hetfair.utils import derived_seed, move_to_device
 
     grads = [p.grad for p in trainer.params if p.grad is not None]
     logits = trainer.model(batch["net_input"]["x"]).detach()
     target = batch["target"]
+    cpu = torch.device("cpu")
     cases: dict[str, Callable[[], Any]] = {
-        "torch.manual_seed(derived_seed(seed, update, index, rank))":
-            lambda: torch.manual_seed(derived_seed(SEED, 5, 0, 0)),
-        "  of which derived_seed(...)": lambda: derived_seed(SEED, 5, 0, 0),
-        "  proposed: torch.default_generator.manual_seed(...)":
-            lambda: torch.default_generator.manual_seed(derived_seed(SEED, 5, 0, 0)),
-        "model.train() + criterion.train() (now only after validation)":
-            lambda: (trainer.wrapped_model.train(), trainer.criterion.train()),
-        "torch._foreach_mul_(grads, world / sample_size)": lambda: torch._foreach_mul_(grads, 1.0),
-        "gradient norm (foreach_norm, stack, vector_norm, float)": lambda: trainer._clip_grad_norm(grads),
+        "seed the generators: _seed_rng(derived_seed(seed, update, index, rank))":
+            lambda: _seed_rng(derived_seed(SEED, 5, 0, 0), cpu),
+        "move_to_device(batch) (CPU: no copy)": lambda: move_to_device(batch, cpu),
+        "gradient norm (foreach_norm, stack, vector_norm, float)": lambda: trainer._clip_grad_norm(grads, 1.0),
         "criterion logs: float(loss), argmax accuracy": lambda: (
             float(F.cross_entropy(logits, target, reduction="sum")), float((logits.argmax(-1) == target).sum())),
+        "stats of one process: start and wait (no collective)": lambda: trainer._start_stats_sync({"loss": 1.0}).wait(),
         "plain: F.cross_entropy(logits, target) (for scale)": lambda: F.cross_entropy(logits, target),
     }
     rows = []
@@ -349,11 +357,14 @@ def run_benchmarks(args: argparse.Namespace, models: list[str], e2e_models: list
     print_table(
         f"Per update, in process: Trainer.train_step vs plain loop ({args.repeats} x {args.block} updates each, "
         f"alternating, after {args.warmup} warm-up; median, min..max)",
-        ["model", "plain ms", "spread", "hetfair ms", "spread", "ratio wall",
+        ["model", "plain loop", "plain ms", "spread", "hetfair ms", "spread", "ratio wall",
          "plain cpu ms", "hetfair cpu ms", "ratio cpu", "spread", "extra cpu us"],
         rows,
         notes=["ratio = median over repetitions of hetfair/plain of adjacent blocks; goal <= 1.05",
-               "cpu = process CPU time per update: steadier than wall time on a shared machine"])
+               "cpu = process CPU time per update: steadier than wall time on a shared machine",
+               "extra cpu us = median over repetitions of hetfair's minus the plain loop's CPU time per update",
+               "plain: torch.optim.Adam's default (per-parameter loop on CPU); plain, fused step: Adam(fused=True), "
+               "hetfair's default (--optimizer-impl auto)"])
     if not args.no_e2e:
         rows = bench_end_to_end(args, e2e_models)
         print_table(
