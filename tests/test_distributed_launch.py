@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from helpers import TOY_PLUGIN, final_parameters, free_port, run_nodes, start, subprocess_env, train_command
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
@@ -49,13 +51,17 @@ def test_torchrun_environment(tmp_path):
     assert_same(final_parameters(save_dir), reference_parameters(update_size=32))
 
 
-def test_slurm_environment(tmp_path):
+@pytest.mark.parametrize("batches", [("12", "20"), ("12,20", "12,20")], ids=["own-values", "one-list"])
+def test_slurm_environment(tmp_path, batches):
+    """Under srun every task runs the same command: a per-process list gives each task of the node its
+    SLURM_LOCALID's value."""
     save_dir = tmp_path / "ckpt"
     port = free_port()
     procs = []
-    for rank, batch in ((0, "12"), (1, "20")):
+    for rank, batch in enumerate(batches):
         env = {**subprocess_env(), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-               "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "127.0.0.1"}
+               "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "127.0.0.1",
+               "SLURM_TASKS_PER_NODE": "2"}
         args = toy_train_args(save_dir, 1) + ["--max-sentences", batch, "--distributed-port", str(port)]
         procs.append(subprocess.Popen(train_command(*args), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True))

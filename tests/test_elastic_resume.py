@@ -19,6 +19,8 @@ from hetfair.checkpoint import load_checkpoint
 from hetfair.data.batch_plan import BatchPlan
 from hetfair.data.update_shape import UpdateShape
 from hetfair.distributed.launch import gpu_index, plan_launch
+from hetfair.distributed.per_process import for_process
+from hetfair.distributed.slurm import tasks_on_this_node
 from hetfair.distributed.stats import UpdateResult
 from hetfair.errors import ConfigError
 from hetfair.logging.meters import IntervalStats
@@ -117,7 +119,7 @@ def test_a_checkpoint_without_a_batch_part_resumes_with_the_command_lines(tmp_pa
     assert_same(final_parameters(save_dir), reference_parameters(update_size=40))
 
 
-# -- per-process lists under torchrun ------------------------------------------------------------
+# -- per-process lists under torchrun and SLURM ------------------------------------------------
 
 def toy(*argv: str) -> argparse.Namespace:
     return parse_train_args(["--user-dir", str(TOY_PLUGIN), "--task", "toy", *argv])
@@ -140,6 +142,29 @@ def test_under_torchrun_a_list_of_the_wrong_length_names_nproc_per_node():
     with pytest.raises(ConfigError, match=r"^--max-sentences 48,16,8 gives 3 values but torchrun \(--nproc-per-node\) "
                                           r"starts 2 processes; give one value for all of them or one per process$"):
         plan_launch(args, TORCHRUN_ENV).check_counts(args)
+
+
+SLURM_ENV = {"SLURM_PROCID": "6", "SLURM_NTASKS": "7", "SLURM_LOCALID": "2", "SLURM_NODEID": "1",
+             "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "gpu[03-04]", "SLURM_TASKS_PER_NODE": "4,3"}
+
+
+def test_under_slurm_a_list_has_one_value_per_task_of_the_node_and_each_takes_its_localid():
+    args = toy("--max-sentences", "48,16,8", "--device-id", "0,2,3", "--distributed-port", "12345")
+    plan = plan_launch(args, SLURM_ENV)  # the second node runs 3 of the 7 tasks; this is its third
+    plan.check_counts(args)
+    assert (plan.world_size, plan.base_rank, plan.nprocs, plan.init_method) == (7, 6, 1, "tcp://gpu03:12345")
+    assert plan.list_index(0) == 2 and for_process(args, plan.list_index(0)).max_sentences == 8
+    assert gpu_index(args.device_id, plan.list_index(0), local_rank=2) == 3
+    with pytest.raises(ConfigError, match=r"^--max-sentences 48,16 gives 2 values but SLURM \(--ntasks-per-node\) "
+                                          r"starts 3 processes; give one value for all of them or one per process$"):
+        plan_launch(toy("--max-sentences", "48,16", "--distributed-port", "1"), SLURM_ENV).check_counts(
+            toy("--max-sentences", "48,16"))
+
+
+@pytest.mark.parametrize("tasks_per_node, node, expected", [
+    ("4(x2),3", "1", 4), ("4(x2),3", "2", 3), ("2", "0", 2), ("garbled", "0", 0)])
+def test_tasks_on_this_node_reads_slurms_compressed_counts(tasks_per_node, node, expected):
+    assert tasks_on_this_node({"SLURM_TASKS_PER_NODE": tasks_per_node, "SLURM_NODEID": node}) == expected
 
 
 def test_device_id_is_the_first_gpu_or_one_per_process():

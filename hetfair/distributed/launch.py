@@ -47,7 +47,7 @@ from hetfair.distributed.rendezvous import (
     parse_init_method,
     private_secret,
 )
-from hetfair.distributed.slurm import first_host, in_slurm_job
+from hetfair.distributed.slurm import first_host, in_slurm_job, tasks_on_this_node
 from hetfair.distributed.preemption import preemptible
 from hetfair.distributed.supervisor import deadline, exit_with_parent, run_workers
 from hetfair.distributed.zero import ShardingConfig, check_sharding
@@ -75,8 +75,11 @@ class LaunchPlan:
     local_only: bool = False
     """Every rank runs on this machine: gloo listens on the loopback interface only."""
     node_processes: int = 0
-    """Under torchrun: the node's workers (``LOCAL_WORLD_SIZE``), whose per-process lists are indexed by
-    local rank; 0 when the lists hold one value per process of this command."""
+    """Under torchrun, or SLURM with one task per process: the node's processes (``LOCAL_WORLD_SIZE``, the
+    node's tasks), whose per-process lists are indexed by local rank; 0 when the lists hold one value per
+    process of this command."""
+    node_starter: str = "torchrun (--nproc-per-node)"
+    """What starts the node's processes, as a list of the wrong length names it."""
 
     def list_length(self) -> int:
         """How many values a per-process list must hold."""
@@ -88,7 +91,7 @@ class LaunchPlan:
 
     def check_counts(self, args: argparse.Namespace) -> None:
         """Refuse a per-process list of the wrong length before anything starts."""
-        starter = "torchrun (--nproc-per-node) starts" if self.node_processes else "this command starts"
+        starter = f"{self.node_starter} starts" if self.node_processes else "this command starts"
         check_counts(args, self.list_length(), starter)
 
 
@@ -129,8 +132,10 @@ def _plan_slurm(args: argparse.Namespace, env: Mapping[str, str]) -> LaunchPlan:
         per_node = args.distributed_gpus
         return LaunchPlan(world_size=nnodes * per_node, base_rank=node * per_node, nprocs=per_node,
                           init_method=init_method)
+    # one task per process: a per-process list holds one value per task of the node, each taking its SLURM_LOCALID's
     return LaunchPlan(world_size=ntasks, base_rank=int(env["SLURM_PROCID"]), nprocs=1, init_method=init_method,
-                      local_rank_offset=int(env.get("SLURM_LOCALID", "0")))
+                      local_rank_offset=int(env.get("SLURM_LOCALID", "0")),
+                      node_processes=tasks_on_this_node(env) or 1, node_starter="SLURM (--ntasks-per-node)")
 
 
 def _default_local_processes(args: argparse.Namespace) -> int:

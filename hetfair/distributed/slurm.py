@@ -20,3 +20,22 @@ def first_host(nodelist: str) -> str:
 
 def in_slurm_job(env: Mapping[str, str]) -> bool:
     return "SLURM_PROCID" in env and "SLURM_NTASKS" in env and "SLURM_JOB_NODELIST" in env
+
+
+def tasks_on_this_node(env: Mapping[str, str]) -> int:
+    """How many tasks of the job run on this node (0: SLURM does not say).
+
+    From ``SLURM_TASKS_PER_NODE`` (``"4(x2),3"``: 4 on each of the first two nodes, 3 on
+    the third) at this node's ``SLURM_NODEID``, else ``SLURM_NTASKS_PER_NODE``.
+    """
+    counts: list[int] = []
+    for part in env.get("SLURM_TASKS_PER_NODE", "").split(","):
+        match = re.fullmatch(r"\s*(\d+)(?:\(x(\d+)\))?\s*", part)
+        if not match:
+            counts = []
+            break
+        counts += [int(match.group(1))] * int(match.group(2) or 1)
+    node = int(env.get("SLURM_NODEID", "0"))
+    if node < len(counts):
+        return counts[node]
+    return int(env.get("SLURM_NTASKS_PER_NODE", "0") or 0)
