@@ -96,7 +96,12 @@ def node_commands(common: Sequence[str], batch_sizes: Sequence[int], init_method
     for rank, batch in enumerate(batch_sizes):
         node = ["--max-sentences", str(batch)]
         if world > 1:
-            node += ["--distributed-world-size", str(world), "--distributed-rank", str(rank),
-                     "--distributed-gpus", "1", "--distributed-init-method", init_method, *per_node]
+            node += [*rank_flags(rank, world, init_method), *per_node]
         commands.append([*common, *node])
     return commands
+
+
+def rank_flags(rank: int, world_size: int, init_method: str) -> list[str]:
+    """The flags that make one hetfair-train command rank ``rank`` of ``world_size``, one process each."""
+    return ["--distributed-world-size", str(world_size), "--distributed-rank", str(rank),
+            "--distributed-gpus", "1", "--distributed-init-method", init_method]

@@ -27,7 +27,7 @@ from hetfair.balance import BalanceConfig, LoadBalancer
 from hetfair.logging.meters import IntervalStats
 from hetfair.distributed.stats import UpdateResult
 from hetfair_cli.train import main
-from helpers import REPO_ROOT, TOY_PLUGIN, free_port, run_nodes
+from helpers import REPO_ROOT, TOY_PLUGIN, free_port, rank_flags, run_nodes
 
 SIMCLUSTER = REPO_ROOT / "benchmarks" / "simcluster"
 
@@ -304,8 +304,7 @@ def sim_command(save_dir: Path, rank: int, init: str, speeds: Sequence[float], *
         "--balance-smoothing", "0.5", "--balance-threshold", "0.05",
         "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--disable-validation",
         "--log-format", "json", "--log-interval", "1", "--distributed-timeout", "60",
-        "--distributed-world-size", str(len(CAPS)), "--distributed-rank", str(rank),
-        "--distributed-gpus", "1", "--distributed-init-method", init, *extra,
+        *rank_flags(rank, len(CAPS), init), *extra,
     ]
 
 

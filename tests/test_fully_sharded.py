@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, run_nodes
+from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, rank_flags, run_nodes
 from hetfair_cli.train import main as train_main
 from hetfair_cli.validate import main as validate_main
 from toy_reference import assert_same, reference_parameters, toy_train_args
@@ -74,10 +74,8 @@ def test_bert_sharded_per_encoder_layer_matches_one_process(tmp_path):
     init = f"tcp://127.0.0.1:{free_port()}"
     single = run_nodes([common + ["--max-sentences", "12", "--save-dir", str(tmp_path / "one")]], cwd=tmp_path)
     sharded = run_nodes([common + ["--max-sentences", str(batch), "--save-dir", str(tmp_path / "two"),
-                                   "--distributed-world-size", "2", "--distributed-rank", str(rank),
-                                   "--distributed-gpus", "1", "--distributed-init-method", init,
-                                   "--ddp-backend", "fully_sharded"] for rank, batch in enumerate([4, 8])],
-                        cwd=tmp_path, timeout=300)
+                                   *rank_flags(rank, 2, init), "--ddp-backend", "fully_sharded"]
+                         for rank, batch in enumerate([4, 8])], cwd=tmp_path, timeout=300)
     for result in single + sharded:
         assert result.returncode == 0, result.stderr
     expected, actual = final_parameters(tmp_path / "one"), final_parameters(tmp_path / "two")
@@ -88,9 +86,8 @@ def test_bert_sharded_per_encoder_layer_matches_one_process(tmp_path):
 
 def test_ranks_with_different_ddp_backends_fail_together(tmp_path):
     init = f"tcp://127.0.0.1:{free_port()}"
-    commands = [toy_train_args(tmp_path / "ckpt", 1, backend) + [
-        "--distributed-world-size", "2", "--distributed-rank", str(rank), "--distributed-gpus", "1",
-        "--distributed-init-method", init] for rank, backend in enumerate([("--ddp-backend", "fully_sharded"), ()])]
+    commands = [toy_train_args(tmp_path / "ckpt", 1, backend) + rank_flags(rank, 2, init)
+                for rank, backend in enumerate([("--ddp-backend", "fully_sharded"), ()])]
     for result in run_nodes(commands, cwd=tmp_path, timeout=120):
         assert result.returncode == 2 and "(or another --ddp-backend)" in result.stderr, result.stderr
 
@@ -101,9 +98,7 @@ def test_fully_sharded_fp16_skips_the_same_overflowing_updates_as_replicated_ran
             "--max-epoch", "0")
     sharded = run_cluster(tmp_path, tmp_path / "sharded", [8, 24], fp16)
     init = f"tcp://127.0.0.1:{free_port()}"
-    commands = [toy_train_args(tmp_path / "ddp", 1, fp16) + [
-        "--max-sentences", str(batch), "--distributed-world-size", "2", "--distributed-rank", str(rank),
-        "--distributed-gpus", "1", "--distributed-init-method", init] for rank, batch in enumerate([8, 24])]
+    commands = node_commands(toy_train_args(tmp_path / "ddp", 1, fp16), [8, 24], init)
     for result in run_nodes(commands, cwd=tmp_path):
         assert result.returncode == 0, result.stderr
     assert_same(sharded, final_parameters(tmp_path / "ddp"))

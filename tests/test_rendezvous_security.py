@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from helpers import TOY_PLUGIN, free_port, subprocess_env, train_command, worker_pids
+from helpers import TOY_PLUGIN, free_port, rank_flags, subprocess_env, train_command, worker_pids
 from hetfair.checkpoint import load_checkpoint
 from hetfair.distributed.rendezvous import SECRET_ENV, StoreAddress, job_secret
 from hetfair.errors import ConfigError
@@ -87,8 +87,7 @@ def test_a_store_other_machines_can_reach_needs_a_secret(tmp_path, capsys):
 
 def node(tmp_path: Path, rank: int, init: str, secret: str, timeout: int = 120) -> subprocess.Popen:
     args = ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--max-epoch", "1", "--save-dir", str(tmp_path / "c"),
-            "--log-format", "none", "--disable-validation", "--distributed-world-size", "2",
-            "--distributed-rank", str(rank), "--distributed-gpus", "1", "--distributed-init-method", init,
+            "--log-format", "none", "--disable-validation", *rank_flags(rank, 2, init),
             "--distributed-timeout", str(timeout)]
     return subprocess.Popen(train_command(*args), cwd=tmp_path, env={**subprocess_env(), SECRET_ENV: secret},
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

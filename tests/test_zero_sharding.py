@@ -20,7 +20,7 @@ import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import final_parameters, free_port, run_nodes
+from helpers import final_parameters, free_port, rank_flags, run_nodes
 from hetfair.checkpoint import load_checkpoint
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.zero import full_state_dict, optimizer_state_bytes, parse_shard_weights
@@ -156,8 +156,7 @@ def launch(save_dir: Path, batch_sizes: list[int], *extra: str, update_freq: int
     commands = []
     for rank, batch in enumerate(batch_sizes):
         commands.append(toy_train_args(save_dir, update_freq, (*ADAM, *extra)) + [
-            "--max-sentences", str(batch), "--distributed-world-size", str(len(batch_sizes)),
-            "--distributed-rank", str(rank), "--distributed-gpus", "1", "--distributed-init-method", init_method])
+            "--max-sentences", str(batch), *rank_flags(rank, len(batch_sizes), init_method)])
     results = run_nodes(commands, cwd=save_dir.parent)
     for result in results:
         assert result.returncode == 0, result.stderr
@@ -227,9 +226,8 @@ def test_sharding_misconfiguration_is_reported(tmp_path, capsys, extra, message)
 
 def test_ranks_with_different_sharding_flags_fail_together(tmp_path):
     init_method = f"tcp://127.0.0.1:{free_port()}"
-    commands = [toy_train_args(tmp_path / "ckpt", 1, (*ADAM, *sharding)) + [
-        "--distributed-world-size", "2", "--distributed-rank", str(rank), "--distributed-gpus", "1",
-        "--distributed-init-method", init_method] for rank, sharding in enumerate([("--zero-sharding", "os"), ()])]
+    commands = [toy_train_args(tmp_path / "ckpt", 1, (*ADAM, *sharding)) + rank_flags(rank, 2, init_method)
+                for rank, sharding in enumerate([("--zero-sharding", "os"), ()])]
     for result in run_nodes(commands, cwd=tmp_path, timeout=120):
         assert result.returncode != 0
         assert "ranks [1] were given other --zero-sharding/--zero-shard-weights than rank 0" in result.stderr
