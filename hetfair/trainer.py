@@ -9,10 +9,11 @@ over ranks and micro-batches therefore yields the same update. That all-reduce
 starts after the last forward and overlaps the last backward (and DDP's gradient
 all-reduce); the trainer waits for it just before normalising. Each rank's compute
 time is known only after its backward, so timings travel one update late.
-With one of torch's fused optimizers the multiplication (and the clipping
-coefficient) is not a pass of its own: the fused step divides each gradient by
-its ``grad_scale`` as it reads it, the protocol ``torch.amp.GradScaler`` uses,
-and leaves the gradients normalised.
+Without loss scaling or sharding, that multiplication and the clipping
+coefficient are one pass over the gradients; with one of torch's fused
+optimizers not even that: the fused step divides each gradient by its
+``grad_scale`` as it reads it, the protocol ``torch.amp.GradScaler`` uses, and
+leaves the gradients normalised.
 
 Mixed precision (:mod:`hetfair.precision`) leaves that math alone: each process
 runs forward and loss under its own autocast, parameters and gradients stay fp32.
@@ -140,9 +141,12 @@ class Trainer:
                 gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copy in or out
             )
         self.optimizer = optimizer_factory(self.params)
-        self._scales_in_step = loss_scaler is None and self._fsdp is None and _fused_step(self.optimizer)
-        """The optimizer's fused step divides the gradients by ``grad_scale`` as it reads them (as under
-        ``torch.amp.GradScaler``), so normalising and clipping cost no pass of their own over the gradients."""
+        self._defers_normalising = loss_scaler is None and self._fsdp is None
+        """Normalising can wait for the clipping coefficient: one multiplication of the gradients does both.
+        (With loss scaling the unscale also checks for overflow; sharded gradients are normalised in place.)"""
+        self._scales_in_step = self._defers_normalising and _fused_step(self.optimizer)
+        """That multiplication is the optimizer's: its fused step divides the gradients by ``grad_scale`` as it
+        reads them (as under ``torch.amp.GradScaler``), so it costs no pass of its own over the gradients."""
         self._grad_scale = torch.ones((), device=context.device)
         if self._scales_in_step:
             self.optimizer.grad_scale = self._grad_scale  # type: ignore[attr-defined]
@@ -219,11 +223,11 @@ class Trainer:
             return None
 
         # 3. normalise by the global sample count (DDP / FSDP already divided by world size), undo the loss scale;
-        #    a fused optimizer step divides by it itself (see _scales_in_step)
+        #    without loss scaling or sharding, together with clipping below (see _defers_normalising)
         factor = self.context.world_size / total_sample_size
         grads = [p.grad for p in self.params if p.grad is not None]
-        owed = factor if self._scales_in_step else 1.0
-        if not self._scales_in_step and self._normalise(grads, factor):
+        owed = factor if self._defers_normalising else 1.0
+        if not self._defers_normalising and self._normalise(grads, factor):
             return self._skip(synced, timing)
 
         # 4. clip by global norm (over all shards; replicated gradients are identical on all ranks)
