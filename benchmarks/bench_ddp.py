@@ -49,6 +49,7 @@ from benchmarks.common import (  # noqa: E402
     arch_flags,
     clocked_run,
     data_subset,
+    free_port,
     machine_note,
     plain_dataset,
     plain_model,
@@ -144,14 +145,9 @@ def _spawned_plain_rank(index: int, args: argparse.Namespace, port: int) -> None
 
 def plain_spawn_launcher(args: argparse.Namespace) -> None:
     """Start the plain ranks like hetfair's launcher does: ``torch.multiprocessing.spawn``."""
-    import socket
-
     import torch.multiprocessing as mp
 
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    mp.spawn(_spawned_plain_rank, args=(args, port), nprocs=args.ranks, join=True)
+    mp.spawn(_spawned_plain_rank, args=(args, free_port()), nprocs=args.ranks, join=True)
 
 
 # -- contenders ---------------------------------------------------------------------------

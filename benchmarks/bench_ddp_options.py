@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import sys
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.common import Samples, machine_note, plain_model, print_table, ratio  # noqa: E402
+from benchmarks.common import Samples, free_port, machine_note, plain_model, print_table, ratio  # noqa: E402
 
 VARIANTS: dict[str, dict[str, Any]] = {
     "25 MiB, copy (torch default)": {"bucket_cap_mb": 25, "gradient_as_bucket_view": False},
@@ -112,12 +111,9 @@ def main(argv: list[str] | None = None) -> None:
     if args.quick:
         args.models, args.repeats, args.block = "mnist_cnn", 3, 5
     print(f"bench_ddp_options: {machine_note()}; 2 ranks x 1 thread, {args.batch_size} samples per rank", flush=True)
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
     with mp.Manager() as manager:
         results = manager.dict()
-        mp.spawn(rank_main, args=(args, port, results), nprocs=2)
+        mp.spawn(rank_main, args=(args, free_port(), results), nprocs=2)
         results = dict(results)
     rows = []
     for model_name, by_variant in results.items():

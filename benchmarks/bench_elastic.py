@@ -31,7 +31,7 @@ from pathlib import Path
 from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import descendants  # noqa: E402
+from benchmarks.common import descendants, free_port  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -52,12 +52,6 @@ class Agent:
         assert self.process.stdout is not None
         for line in self.process.stdout:
             self.lines.append((time.monotonic(), line))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def start_agent(port: int, save_dir: Path, env: dict[str, str]) -> Agent:
