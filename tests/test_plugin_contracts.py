@@ -1,4 +1,4 @@
-"""The README's optimizer and LR-scheduler plugin example, run as it stands against the contract it states."""
+"""The optimizer and LR-scheduler plugin example of docs/plugins.md, run as it stands against the contract it states."""
 
 from __future__ import annotations
 
@@ -13,17 +13,17 @@ from hetfair.plugins import import_user_dir
 from hetfair_cli.train import main as train_main
 
 
-def readme_example() -> str:
-    """The ```python block of README.md that starts with ``# my_optim/__init__.py``."""
-    blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), flags=re.S)
+def docs_example() -> str:
+    """The ```python block of docs/plugins.md that starts with ``# my_optim/__init__.py``."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "docs" / "plugins.md").read_text(), flags=re.S)
     return next(block for block in blocks if block.startswith("# my_optim/__init__.py"))
 
 
 @pytest.fixture(scope="module")
 def my_optim(tmp_path_factory: pytest.TempPathFactory):
-    package = tmp_path_factory.mktemp("readme") / "my_optim"
+    package = tmp_path_factory.mktemp("docs") / "my_optim"
     package.mkdir()
-    (package / "__init__.py").write_text(readme_example())
+    (package / "__init__.py").write_text(docs_example())
     return import_user_dir(package)
 
 
