@@ -6,7 +6,7 @@ agent B's rank process ("worker killed": both restart on two nodes) or agent B i
 SIGKILL ("node killed": A goes on alone), and clocks the first ``train_inner`` line of agent A
 after its ``restore`` line. B starts once A holds the rendezvous (torchrun's c10d store lives in
 the agent that opened ``--rdzv-endpoint``; killing that one ends the job), so B joins a running
-job: that needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see the README's "Elastic and
+job: that needs ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` (see docs/elastic.md, "Elastic and
 preemptible runs"), set here. The scenarios alternate; the table gives successes, the median
 recovery (min..max) and the updates redone (done before the kill, lost with it).
 

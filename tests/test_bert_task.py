@@ -30,7 +30,7 @@ def data(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
 
 
 def hetseq_command(data_dir: Path, vocab: Path, config: Path, save_dir: Path) -> list[str]:
-    """HetSeq's BERT command (README), scaled down only in --max-update and --num-workers."""
+    """HetSeq's BERT command (docs/bert.md), scaled down only in --max-update and --num-workers."""
     return ["--task", "bert", "--data", str(data_dir), "--dict", str(vocab), "--config_file", str(config),
             "--max-sentences", "32", "--fast-stat-sync", "--max-update", "3", "--update-freq", "4",
             "--valid-subset", "test", "--num-workers", "2", "--warmup-updates", "10000",
