@@ -62,13 +62,14 @@ def render_reference() -> str:
     return "\n\n".join(sections)
 
 
-def render_groups(parser: argparse.ArgumentParser, level: str = "###") -> str:
+def render_groups(parser: argparse.ArgumentParser) -> str:
+    """One table per argument group, titled as in ``--help``."""
     blocks = []
     for group in parser._action_groups:  # argparse offers no public way to walk its groups
         actions = [action for action in group._group_actions if documented(action)]
         if actions:
             title = "options" if group.title in ("optional arguments", "options") else group.title
-            blocks.append(f"{level} {title}\n\n{options_table(actions, parser.prog)}")
+            blocks.append(f"### {title}\n\n{options_table(actions, parser.prog)}")
     return "\n\n".join(blocks)
 
 
@@ -107,11 +108,11 @@ def description(action: argparse.Action, prog: str) -> str:
         text = text.split("; one of: ")[0] + f"; built-in: {', '.join(builtin)} (plugins add their own)"
     if action.choices is not None and action.metavar is None:
         text += f"; one of: {', '.join(f'`{choice}`' for choice in action.choices)}"
-    return table_cell(text)
+    return one_line(text)
 
 
-def table_cell(text: str) -> str:
-    """``text`` on one line of a table: ``|`` and ``*`` escaped outside code spans."""
+def one_line(text: str) -> str:
+    """``text`` on one line (of a table): ``|`` and ``*`` escaped outside code spans."""
     parts = re.split(r"(`+[^`]*`+)", text.replace("\n", " "))
     return "".join(part if part.startswith("`") else part.replace("|", "\\|").replace("*", "\\*") for part in parts)
 
@@ -155,4 +156,4 @@ def render_archs() -> str:
 
 
 def first_line(doc: str | None) -> str:
-    return table_cell(doc.strip().splitlines()[0]) if doc else ""
+    return one_line(doc.strip().splitlines()[0]) if doc else ""
