@@ -12,17 +12,17 @@ from __future__ import annotations
 import json
 import os
 from dataclasses import asdict, fields
-from typing import Any, Mapping, Sequence
+from typing import Any, Mapping
 
 import torch
 
+from hetfair.bert.hf_tokenizer import hf_vocabulary_tokens
 from hetfair.bert.model import ACTIVATIONS, BertConfig
 from hetfair.errors import CheckpointError, ConfigError
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 PYTORCH_FILE = "pytorch_model.bin"
-VOCAB_FILE = "vocab.txt"
 
 # hetfair name -> Hugging Face name, outside the encoder layers and the fused qkv
 _TOP_LEVEL = {
@@ -138,7 +138,7 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], num_layers: int, nsp: boo
 
 
 def read_hf_directory(directory: str) -> tuple[BertConfig, dict[str, torch.Tensor], list[str] | None]:
-    """Config, weights and (if present) ``vocab.txt`` tokens of a local Hugging Face BERT directory."""
+    """Config, weights and (if it has a ``vocab.txt`` or ``tokenizer.json``) tokens of a local Hugging Face BERT."""
     config_path = os.path.join(directory, CONFIG_FILE)
     if not os.path.isdir(directory) or not os.path.isfile(config_path):
         raise ConfigError(f"{directory} is not a Hugging Face BERT directory (no {CONFIG_FILE})")
@@ -149,12 +149,7 @@ def read_hf_directory(directory: str) -> tuple[BertConfig, dict[str, torch.Tenso
         raise ConfigError(f"{config_path} is not valid JSON: {exc}") from exc
     config = from_hf_config(values, config_path)
     weights = _read_weights(directory)
-    vocab_path = os.path.join(directory, VOCAB_FILE)
-    tokens = None
-    if os.path.isfile(vocab_path):
-        with open(vocab_path, encoding="utf-8") as f:
-            tokens = [line.rstrip("\r\n") for line in f]
-    return config, weights, tokens
+    return config, weights, hf_vocabulary_tokens(directory)
 
 
 def _read_weights(directory: str) -> dict[str, torch.Tensor]:
@@ -175,8 +170,8 @@ def _read_weights(directory: str) -> dict[str, torch.Tensor]:
 
 
 def write_hf_directory(directory: str, config: BertConfig, state: Mapping[str, torch.Tensor], nsp: bool,
-                       vocab_tokens: Sequence[str], pad_token_id: int, lowercase: bool) -> None:
-    """Write ``config.json``, ``model.safetensors`` and the WordPiece tokenizer files into ``directory``."""
+                       pad_token_id: int, tokenizer_files: Mapping[str, str]) -> None:
+    """Write ``config.json``, ``model.safetensors`` and ``tokenizer_files`` (name -> text) into ``directory``."""
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -186,9 +181,6 @@ def write_hf_directory(directory: str, config: BertConfig, state: Mapping[str, t
     save_file(hf_state, os.path.join(directory, SAFETENSORS_FILE), metadata={"format": "pt"})
     with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(to_hf_config(config, nsp, pad_token_id), f, indent=2)
-    with open(os.path.join(directory, VOCAB_FILE), "w", encoding="utf-8") as f:
-        f.write("\n".join(vocab_tokens) + "\n")
-    tokenizer_config = {"tokenizer_class": "BertTokenizer", "do_lower_case": lowercase,
-                        "model_max_length": config.max_position_embeddings}
-    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(tokenizer_config, f, indent=2)
+    for name, text in tokenizer_files.items():
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            f.write(text)
