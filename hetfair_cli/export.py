@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 from typing import Sequence
 
@@ -42,10 +44,20 @@ def _main(argv: list[str]) -> int:
     vocab, spec = loaded.task.vocab, loaded.task.tokenizer_spec  # type: ignore[attr-defined]
     tokenizer_files = hf_tokenizer_files(spec, vocab, model.config.max_position_embeddings)  # may refuse: write after
     write_hf_directory(outdir, model.config, model.state_dict(), model.nsp, vocab.pad, tokenizer_files)
-    kind = "BertForPreTraining or BertForMaskedLM" if model.nsp else "BertForMaskedLM (trained without --nsp: " \
-        "BertForPreTraining would start its next-sentence head from random weights)"
-    print(f"wrote {outdir}: load it with transformers' {kind}.from_pretrained('{outdir}')", file=sys.stderr)
+    print(success_message(outdir, model.nsp), file=sys.stderr)
     return 0
+
+
+def success_message(outdir: str, nsp: bool) -> str:
+    """Where the export went, a shell command that loads it with ``transformers``, and which class fits."""
+    model_class = "BertForPreTraining" if nsp else "BertForMaskedLM"
+    path = json.dumps(outdir)  # a Python string literal in double quotes, whatever the path holds
+    code = (f"from transformers import AutoTokenizer, {model_class}; model = {model_class}.from_pretrained({path}); "
+            f"tokenizer = AutoTokenizer.from_pretrained({path})")
+    note = ("note: BertForMaskedLM loads it too, without the next-sentence head" if nsp else
+            "note: trained without --nsp, so it is a BertForMaskedLM: BertForPreTraining would start its "
+            "next-sentence head from random weights")
+    return f"wrote {outdir}; load it in Python with:\npython -c {shlex.quote(code)}\n{note}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

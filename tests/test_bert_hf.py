@@ -7,6 +7,9 @@ give the same logits as hetfair's on the same inputs.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,10 +82,22 @@ def test_a_model_without_nsp_exports_for_masked_lm_and_says_so(tmp_path, data, c
     checkpoint = train_tiny(tmp_path, data)
     out = tmp_path / "hf"
     assert export_main(["--path", str(checkpoint), "--to", "hf", str(out)]) == 0
-    assert "trained without --nsp" in capsys.readouterr().err
+    assert "trained without --nsp" in capsys.readouterr().err.splitlines()[-1]
     assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
     _, info = transformers.BertForMaskedLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+def test_the_export_message_holds_a_command_that_loads_the_model(tmp_path, data, capsys):
+    checkpoint = train_tiny(tmp_path, data)
+    out = tmp_path / "a dir with 'quotes'"
+    assert export_main(["--path", str(checkpoint), "--to", "hf", str(out)]) == 0
+    wrote, command, note = capsys.readouterr().err.strip().splitlines()
+    assert wrote.startswith(f"wrote {out}") and note.startswith("note: ") and command.startswith("python -c ")
+    venv = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(["bash", "-c", command], env=venv, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
 
 
 def hf_tiny(vocab: Path) -> "transformers.BertForPreTraining":
