@@ -142,6 +142,31 @@ def test_training_starts_from_a_transformers_directory(tmp_path, data):
     assert loaded.options.hidden_size == 32 and loaded.model.config.intermediate_size == 64
 
 
+FRESH = {"mlm": "the MLM head (cls.predictions.transform.*, cls.predictions.bias) starts from random weights",
+         "pooler": "the pooler (bert.pooler.dense.*) starts from random weights",
+         "nsp": "the next-sentence head (cls.seq_relationship.*) starts from random weights"}
+
+
+@pytest.mark.parametrize("source, fresh", [("BertModel", {"mlm", "nsp"}), ("BertForMaskedLM", {"pooler", "nsp"}),
+                                           ("BertForPreTraining", set())])
+def test_init_from_hf_names_the_loaded_shape_and_every_head_that_starts_fresh(tmp_path, data, capsys, source, fresh):
+    data_dir, vocab, _ = data
+    directory = tmp_path / "hf_model"
+    getattr(transformers, source)(hf_tiny(vocab).config).save_pretrained(directory)
+    capsys.readouterr()
+    assert train_main(["--task", "bert", "--data", str(data_dir), "--init-from-hf", str(directory), "--nsp",
+                       "--max-update", "1", "--max-sentences", "4", "--no-save", "--disable-validation",
+                       "--log-format", "simple"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    vocab_size = len(read_vocab_file(str(vocab)))
+    assert f"init | --init-from-hf {directory}: a {source} of 2 layers, hidden 32, 2 heads, intermediate 64, " \
+           f"vocab {vocab_size}" in lines
+    said = {part for part, message in FRESH.items() if any(message in line for line in lines)}
+    assert said == fresh, lines
+    setup = next(line for line in lines if line.startswith("setup | model"))
+    assert f"(init-from-hf {directory})" in setup and "arch" not in setup
+
+
 @pytest.mark.parametrize("case, message", [
     ("no_config", "is not a Hugging Face BERT directory"),
     ("relative_positions", "position_embedding_type='relative_key'"),

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, fields
-from typing import Any, Mapping
+from dataclasses import asdict, dataclass, fields
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -51,6 +51,9 @@ _LAYER = {
     "output": "output.dense",
     "output_norm": "output.LayerNorm",
 }
+# the parts a checkpoint may lack (a BertModel has no heads): hetfair prefix -> (what it is, its Hugging Face names)
+_HEADS = {"lm_head.": ("MLM head", "cls.predictions.transform.*, cls.predictions.bias"),
+          "pooler.": ("pooler", "bert.pooler.dense.*"), "nsp_head.": ("next-sentence head", "cls.seq_relationship.*")}
 _TIED = "lm_head.weight"  # the same tensor as embeddings.word.weight
 _UNSUPPORTED = {"position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False}
 
@@ -137,8 +140,18 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], num_layers: int, nsp: boo
     return state, missing
 
 
-def read_hf_directory(directory: str) -> tuple[BertConfig, dict[str, torch.Tensor], list[str] | None]:
-    """Config, weights and (if it has a ``vocab.txt`` or ``tokenizer.json``) tokens of a local Hugging Face BERT."""
+@dataclass
+class HfBert:
+    """What a local Hugging Face BERT directory holds."""
+
+    config: BertConfig
+    weights: dict[str, torch.Tensor]
+    tokens: list[str] | None  # of its vocab.txt or tokenizer.json, if it has one
+    architecture: str  # the class that saved it, as config.json names it (e.g. BertModel, BertForMaskedLM)
+
+
+def read_hf_directory(directory: str) -> HfBert:
+    """Config, weights, tokens and architecture of a local Hugging Face BERT directory."""
     config_path = os.path.join(directory, CONFIG_FILE)
     if not os.path.isdir(directory) or not os.path.isfile(config_path):
         raise ConfigError(f"{directory} is not a Hugging Face BERT directory (no {CONFIG_FILE})")
@@ -148,8 +161,23 @@ def read_hf_directory(directory: str) -> tuple[BertConfig, dict[str, torch.Tenso
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{config_path} is not valid JSON: {exc}") from exc
     config = from_hf_config(values, config_path)
-    weights = _read_weights(directory)
-    return config, weights, hf_vocabulary_tokens(directory)
+    architecture = (values.get("architectures") or ["BERT model"])[0]
+    return HfBert(config, _read_weights(directory), hf_vocabulary_tokens(directory), architecture)
+
+
+def init_report(directory: str, source: HfBert, missing: Sequence[str]) -> list[str]:
+    """Lines saying what ``--init-from-hf directory`` loaded and which weights (``missing``) start fresh."""
+    c = source.config
+    lines = [f"init | --init-from-hf {directory}: a {source.architecture} of {c.num_hidden_layers} layers, hidden "
+             f"{c.hidden_size}, {c.num_attention_heads} heads, intermediate {c.intermediate_size}, vocab {c.vocab_size}"]
+    names = {**_TOP_LEVEL, **_NSP}
+    for prefix, (part, pattern) in _HEADS.items():
+        fresh = [names[name] for name in missing if name.startswith(prefix)]
+        if fresh:
+            whole = len(fresh) == sum(name.startswith(prefix) for name in names)
+            lines.append(f"init | the {part} ({pattern if whole else ', '.join(fresh)}) starts from random weights: "
+                         f"{directory} has none")
+    return lines
 
 
 def _read_weights(directory: str) -> dict[str, torch.Tensor]:
