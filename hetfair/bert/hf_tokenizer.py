@@ -96,7 +96,7 @@ def _read_model_proto(path: str) -> Any:
     try:
         from sentencepiece import sentencepiece_model_pb2
     except ImportError:  # the generated module needs protobuf
-        raise ConfigError("exporting a sentencepiece vocabulary needs protobuf: pip install protobuf") from None
+        raise ConfigError("exporting a sentencepiece vocabulary needs protobuf: pip install 'hetfair[hf]'") from None
     with open(path, "rb") as f:
         return sentencepiece_model_pb2.ModelProto.FromString(f.read())
 
