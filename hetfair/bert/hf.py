@@ -167,9 +167,10 @@ def read_hf_directory(directory: str) -> HfBert:
 
 def init_report(directory: str, source: HfBert, missing: Sequence[str]) -> list[str]:
     """Lines saying what ``--init-from-hf directory`` loaded and which weights (``missing``) start fresh."""
-    c = source.config
-    lines = [f"init | --init-from-hf {directory}: a {source.architecture} of {c.num_hidden_layers} layers, hidden "
-             f"{c.hidden_size}, {c.num_attention_heads} heads, intermediate {c.intermediate_size}, vocab {c.vocab_size}"]
+    shape = source.config
+    lines = [f"init | --init-from-hf {directory}: a {source.architecture} of {shape.num_hidden_layers} layers, "
+             f"hidden {shape.hidden_size}, {shape.num_attention_heads} heads, intermediate {shape.intermediate_size}, "
+             f"vocab {shape.vocab_size}"]
     names = {**_TOP_LEVEL, **_NSP}
     for prefix, (part, pattern) in _HEADS.items():
         fresh = [names[name] for name in missing if name.startswith(prefix)]

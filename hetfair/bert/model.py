@@ -233,7 +233,7 @@ class BertModel(HetfairModel):
     def from_hugging_face(cls, args: argparse.Namespace, task: "Task") -> "BertModel":
         """The model of ``--init-from-hf DIR``: sized by its ``config.json``, initialised with its weights.
 
-        Its ``vocab.txt`` (if any) must be the task's vocabulary. Heads the directory lacks (the NSP
+        Its ``vocab.txt`` or ``tokenizer.json`` (if any) must be the task's vocabulary. Heads the directory lacks (the NSP
         head of a ``BertForMaskedLM``, every head of a bare ``BertModel``) start from the usual
         random initialisation; the lines logged say which, and what was loaded.
         """
