@@ -405,8 +405,10 @@ class TrainingRun:
         precisions = ", ".join(f"rank {r}: {p}" for r, p in enumerate(self.precisions))
         scaler = self.trainer.loss_scaler
         scaling = f" | loss scale {scaler.scale:g}" if scaler is not None else ""
-        config_file = getattr(self.args, "config_file", None)  # e.g. BERT's config decides the size
-        shape = f"config {config_file}" if config_file else f"arch {self.args.arch}"
+        # e.g. BERT's --init-from-hf directory or --config_file decides the size, not --arch
+        init_from, config_file = getattr(self.args, "init_from_hf", None), getattr(self.args, "config_file", None)
+        shape = f"init-from-hf {init_from}" if init_from else f"config {config_file}" if config_file else \
+            f"arch {self.args.arch}"
         self.progress.info(f"setup | model {self.args.model} ({shape}) | task {self.args.task} | "
                            f"per-rank batch {caps} | per-rank precision {precisions}{scaling} | "
                            f"device {self.context.device}")

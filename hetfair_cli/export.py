@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
+import shlex
 import sys
 from typing import Sequence
 
 from hetfair.bert.hf import write_hf_directory
+from hetfair.bert.hf_tokenizer import hf_tokenizer_files
 from hetfair.bert.model import BertModel
 from hetfair.errors import ConfigError
 from hetfair.pretrained import load_model
@@ -16,8 +19,9 @@ from hetfair_cli.errors import run_cli
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="hetfair-export",
-        description="Write a hetfair BERT checkpoint as a Hugging Face directory (config.json, model.safetensors, "
-                    "vocab.txt) that transformers' BertForPreTraining / BertForMaskedLM.from_pretrained loads.",
+        description="Write a hetfair BERT checkpoint as a Hugging Face directory (config.json, model.safetensors and "
+                    "the tokenizer: vocab.txt for WordPiece, tokenizer.json for sentencepiece) that transformers' "
+                    "BertForPreTraining / BertForMaskedLM and AutoTokenizer.from_pretrained load.",
         allow_abbrev=False)
     parser.add_argument("--path", required=True, metavar="CKPT", help="checkpoint written by hetfair-train")
     parser.add_argument("--to", required=True, nargs=2, metavar=("FORMAT", "OUTDIR"),
@@ -37,13 +41,23 @@ def _main(argv: list[str]) -> int:
     model = loaded.model
     if not isinstance(model, BertModel):
         raise ConfigError(f"{args.path} holds a '{loaded.options.model}' model; only BERT exports to Hugging Face")
-    vocab = loaded.task.vocab  # type: ignore[attr-defined]
-    write_hf_directory(outdir, model.config, model.state_dict(), model.nsp, vocab.tokens, vocab.pad,
-                       lowercase=loaded.task.lowercase)  # type: ignore[attr-defined]
-    kind = "BertForPreTraining or BertForMaskedLM" if model.nsp else "BertForMaskedLM (trained without --nsp: " \
-        "BertForPreTraining would start its next-sentence head from random weights)"
-    print(f"wrote {outdir}: load it with transformers' {kind}.from_pretrained('{outdir}')", file=sys.stderr)
+    vocab, spec = loaded.task.vocab, loaded.task.tokenizer_spec  # type: ignore[attr-defined]
+    tokenizer_files = hf_tokenizer_files(spec, vocab, model.config.max_position_embeddings)  # may refuse: write after
+    write_hf_directory(outdir, model.config, model.state_dict(), model.nsp, vocab.pad, tokenizer_files)
+    print(success_message(outdir, model.nsp), file=sys.stderr)
     return 0
+
+
+def success_message(outdir: str, nsp: bool) -> str:
+    """Where the export went, a shell command that loads it with ``transformers``, and which class fits."""
+    model_class = "BertForPreTraining" if nsp else "BertForMaskedLM"
+    path = json.dumps(outdir)  # a Python string literal in double quotes, whatever the path holds
+    code = (f"from transformers import AutoTokenizer, {model_class}; model = {model_class}.from_pretrained({path}); "
+            f"tokenizer = AutoTokenizer.from_pretrained({path})")
+    note = ("note: BertForMaskedLM loads it too, without the next-sentence head" if nsp else
+            "note: trained without --nsp, so it is a BertForMaskedLM: BertForPreTraining would start its "
+            "next-sentence head from random weights")
+    return f"wrote {outdir}; load it in Python with:\npython -c {shlex.quote(code)}\n{note}"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -7,6 +7,9 @@ give the same logits as hetfair's on the same inputs.
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -79,10 +82,22 @@ def test_a_model_without_nsp_exports_for_masked_lm_and_says_so(tmp_path, data, c
     checkpoint = train_tiny(tmp_path, data)
     out = tmp_path / "hf"
     assert export_main(["--path", str(checkpoint), "--to", "hf", str(out)]) == 0
-    assert "trained without --nsp" in capsys.readouterr().err
+    assert "trained without --nsp" in capsys.readouterr().err.splitlines()[-1]
     assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
     _, info = transformers.BertForMaskedLM.from_pretrained(out, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"] and not info["mismatched_keys"]
+
+
+def test_the_export_message_holds_a_command_that_loads_the_model(tmp_path, data, capsys):
+    checkpoint = train_tiny(tmp_path, data)
+    out = tmp_path / "a dir with 'quotes'"
+    assert export_main(["--path", str(checkpoint), "--to", "hf", str(out)]) == 0
+    wrote, command, note = capsys.readouterr().err.strip().splitlines()
+    assert wrote.startswith(f"wrote {out}") and note.startswith("note: ") and command.startswith("python -c ")
+    venv = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+            "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(["bash", "-c", command], env=venv, capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
 
 
 def hf_tiny(vocab: Path) -> "transformers.BertForPreTraining":
@@ -125,6 +140,31 @@ def test_training_starts_from_a_transformers_directory(tmp_path, data):
                        "--log-format", "none", "--disable-validation"]) == 0
     loaded = hetfair.load_model(checkpoint)
     assert loaded.options.hidden_size == 32 and loaded.model.config.intermediate_size == 64
+
+
+FRESH = {"mlm": "the MLM head (cls.predictions.transform.*, cls.predictions.bias) starts from random weights",
+         "pooler": "the pooler (bert.pooler.dense.*) starts from random weights",
+         "nsp": "the next-sentence head (cls.seq_relationship.*) starts from random weights"}
+
+
+@pytest.mark.parametrize("source, fresh", [("BertModel", {"mlm", "nsp"}), ("BertForMaskedLM", {"pooler", "nsp"}),
+                                           ("BertForPreTraining", set())])
+def test_init_from_hf_names_the_loaded_shape_and_every_head_that_starts_fresh(tmp_path, data, capsys, source, fresh):
+    data_dir, vocab, _ = data
+    directory = tmp_path / "hf_model"
+    getattr(transformers, source)(hf_tiny(vocab).config).save_pretrained(directory)
+    capsys.readouterr()
+    assert train_main(["--task", "bert", "--data", str(data_dir), "--init-from-hf", str(directory), "--nsp",
+                       "--max-update", "1", "--max-sentences", "4", "--no-save", "--disable-validation",
+                       "--log-format", "simple"]) == 0
+    lines = capsys.readouterr().err.splitlines()
+    vocab_size = len(read_vocab_file(str(vocab)))
+    assert f"init | --init-from-hf {directory}: a {source} of 2 layers, hidden 32, 2 heads, intermediate 64, " \
+           f"vocab {vocab_size}" in lines
+    said = {part for part, message in FRESH.items() if any(message in line for line in lines)}
+    assert said == fresh, lines
+    setup = next(line for line in lines if line.startswith("setup | model"))
+    assert f"(init-from-hf {directory})" in setup and "arch" not in setup
 
 
 @pytest.mark.parametrize("case, message", [

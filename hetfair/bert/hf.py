@@ -11,18 +11,18 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, fields
+from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
 import torch
 
+from hetfair.bert.hf_tokenizer import hf_vocabulary_tokens
 from hetfair.bert.model import ACTIVATIONS, BertConfig
 from hetfair.errors import CheckpointError, ConfigError
 
 CONFIG_FILE = "config.json"
 SAFETENSORS_FILE = "model.safetensors"
 PYTORCH_FILE = "pytorch_model.bin"
-VOCAB_FILE = "vocab.txt"
 
 # hetfair name -> Hugging Face name, outside the encoder layers and the fused qkv
 _TOP_LEVEL = {
@@ -51,6 +51,9 @@ _LAYER = {
     "output": "output.dense",
     "output_norm": "output.LayerNorm",
 }
+# the parts a checkpoint may lack (a BertModel has no heads): hetfair prefix -> (what it is, its Hugging Face names)
+_HEADS = {"lm_head.": ("MLM head", "cls.predictions.transform.*, cls.predictions.bias"),
+          "pooler.": ("pooler", "bert.pooler.dense.*"), "nsp_head.": ("next-sentence head", "cls.seq_relationship.*")}
 _TIED = "lm_head.weight"  # the same tensor as embeddings.word.weight
 _UNSUPPORTED = {"position_embedding_type": "absolute", "is_decoder": False, "add_cross_attention": False}
 
@@ -137,8 +140,18 @@ def from_hf_state_dict(hf: Mapping[str, torch.Tensor], num_layers: int, nsp: boo
     return state, missing
 
 
-def read_hf_directory(directory: str) -> tuple[BertConfig, dict[str, torch.Tensor], list[str] | None]:
-    """Config, weights and (if present) ``vocab.txt`` tokens of a local Hugging Face BERT directory."""
+@dataclass
+class HfBert:
+    """What a local Hugging Face BERT directory holds."""
+
+    config: BertConfig
+    weights: dict[str, torch.Tensor]
+    tokens: list[str] | None  # of its vocab.txt or tokenizer.json, if it has one
+    architecture: str  # the class that saved it, as config.json names it (e.g. BertModel, BertForMaskedLM)
+
+
+def read_hf_directory(directory: str) -> HfBert:
+    """Config, weights, tokens and architecture of a local Hugging Face BERT directory."""
     config_path = os.path.join(directory, CONFIG_FILE)
     if not os.path.isdir(directory) or not os.path.isfile(config_path):
         raise ConfigError(f"{directory} is not a Hugging Face BERT directory (no {CONFIG_FILE})")
@@ -148,13 +161,24 @@ def read_hf_directory(directory: str) -> tuple[BertConfig, dict[str, torch.Tenso
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ConfigError(f"{config_path} is not valid JSON: {exc}") from exc
     config = from_hf_config(values, config_path)
-    weights = _read_weights(directory)
-    vocab_path = os.path.join(directory, VOCAB_FILE)
-    tokens = None
-    if os.path.isfile(vocab_path):
-        with open(vocab_path, encoding="utf-8") as f:
-            tokens = [line.rstrip("\r\n") for line in f]
-    return config, weights, tokens
+    architecture = (values.get("architectures") or ["BERT model"])[0]
+    return HfBert(config, _read_weights(directory), hf_vocabulary_tokens(directory), architecture)
+
+
+def init_report(directory: str, source: HfBert, missing: Sequence[str]) -> list[str]:
+    """Lines saying what ``--init-from-hf directory`` loaded and which weights (``missing``) start fresh."""
+    shape = source.config
+    lines = [f"init | --init-from-hf {directory}: a {source.architecture} of {shape.num_hidden_layers} layers, "
+             f"hidden {shape.hidden_size}, {shape.num_attention_heads} heads, intermediate {shape.intermediate_size}, "
+             f"vocab {shape.vocab_size}"]
+    names = {**_TOP_LEVEL, **_NSP}
+    for prefix, (part, pattern) in _HEADS.items():
+        fresh = [names[name] for name in missing if name.startswith(prefix)]
+        if fresh:
+            whole = len(fresh) == sum(name.startswith(prefix) for name in names)
+            lines.append(f"init | the {part} ({pattern if whole else ', '.join(fresh)}) starts from random weights: "
+                         f"{directory} has none")
+    return lines
 
 
 def _read_weights(directory: str) -> dict[str, torch.Tensor]:
@@ -175,8 +199,8 @@ def _read_weights(directory: str) -> dict[str, torch.Tensor]:
 
 
 def write_hf_directory(directory: str, config: BertConfig, state: Mapping[str, torch.Tensor], nsp: bool,
-                       vocab_tokens: Sequence[str], pad_token_id: int, lowercase: bool) -> None:
-    """Write ``config.json``, ``model.safetensors`` and the WordPiece tokenizer files into ``directory``."""
+                       pad_token_id: int, tokenizer_files: Mapping[str, str]) -> None:
+    """Write ``config.json``, ``model.safetensors`` and ``tokenizer_files`` (name -> text) into ``directory``."""
     try:
         from safetensors.torch import save_file
     except ImportError:
@@ -186,9 +210,6 @@ def write_hf_directory(directory: str, config: BertConfig, state: Mapping[str, t
     save_file(hf_state, os.path.join(directory, SAFETENSORS_FILE), metadata={"format": "pt"})
     with open(os.path.join(directory, CONFIG_FILE), "w", encoding="utf-8") as f:
         json.dump(to_hf_config(config, nsp, pad_token_id), f, indent=2)
-    with open(os.path.join(directory, VOCAB_FILE), "w", encoding="utf-8") as f:
-        f.write("\n".join(vocab_tokens) + "\n")
-    tokenizer_config = {"tokenizer_class": "BertTokenizer", "do_lower_case": lowercase,
-                        "model_max_length": config.max_position_embeddings}
-    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-        json.dump(tokenizer_config, f, indent=2)
+    for name, text in tokenizer_files.items():
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
+            f.write(text)

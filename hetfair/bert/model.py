@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from dataclasses import asdict, dataclass, fields
 from typing import TYPE_CHECKING, Callable
@@ -25,6 +26,8 @@ from hetfair.utils import absolute_path
 
 if TYPE_CHECKING:
     from hetfair.tasks import Task
+
+logger = logging.getLogger(__name__)
 
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -230,25 +233,29 @@ class BertModel(HetfairModel):
     def from_hugging_face(cls, args: argparse.Namespace, task: "Task") -> "BertModel":
         """The model of ``--init-from-hf DIR``: sized by its ``config.json``, initialised with its weights.
 
-        Its ``vocab.txt`` (if any) must be the task's vocabulary. An NSP head the directory lacks
-        (a ``BertForMaskedLM``) starts from the usual random initialisation.
+        Its ``vocab.txt`` or ``tokenizer.json`` (if any) must be the task's vocabulary. Heads the directory lacks (the NSP
+        head of a ``BertForMaskedLM``, every head of a bare ``BertModel``) start from the usual
+        random initialisation; the lines logged say which, and what was loaded.
         """
-        from hetfair.bert.hf import from_hf_state_dict, read_hf_directory
+        from hetfair.bert.hf import from_hf_state_dict, init_report, read_hf_directory
 
         directory = args.init_from_hf
-        config, weights, tokens = read_hf_directory(directory)
+        source = read_hf_directory(directory)
+        config, tokens = source.config, source.tokens
         vocab = task.vocab  # type: ignore[attr-defined]
         if config.vocab_size != len(vocab) or (tokens is not None and tuple(tokens) != tuple(vocab.tokens)):
             raise ConfigError(f"--init-from-hf {directory} has another vocabulary ({config.vocab_size} tokens) than "
                               f"--data ({len(vocab)} tokens); preprocess with --dict {directory}/vocab.txt")
         vars(args).update({name: getattr(config, name) for name in HYPER_PARAMETERS})
         model = cls(config, nsp=bool(getattr(args, "nsp", False)))
-        state, _ = from_hf_state_dict(weights, config.num_hidden_layers, model.nsp, directory)
+        state, missing = from_hf_state_dict(source.weights, config.num_hidden_layers, model.nsp, directory)
         try:
             model.load_state_dict(state, strict=False)
         except RuntimeError as exc:
             raise ConfigError(f"--init-from-hf {directory}: weights do not fit its config.json: "
                               f"{str(exc).splitlines()[-1].strip()}") from exc
+        for line in init_report(directory, source, missing):
+            logger.info(line)
         return model
 
     def forward(

@@ -16,7 +16,7 @@ from hetfair.bert.hdf5_dataset import Hdf5BertDataset, Hdf5Shard, hdf5_shards, s
 from hetfair.bert.indexed_dataset import IndexedDataset, dataset_exists
 from hetfair.bert.masking import MaskingConfig
 from hetfair.bert.tokenizer import (
-    Vocabulary,
+    Tokenizer,
     check_same_vocabulary,
     load_tokenizer,
     spec_for_file,
@@ -43,11 +43,10 @@ class BertTask(Task):
         "lr_scheduler": "polynomial_decay",
     }
 
-    def __init__(self, args: argparse.Namespace, vocab: Vocabulary, hdf5_length: int | None = None,
-                 lowercase: bool = True) -> None:
+    def __init__(self, args: argparse.Namespace, tokenizer: Tokenizer, hdf5_length: int | None = None) -> None:
         super().__init__(args)
-        self.vocab = vocab
-        self.lowercase = lowercase  # how the vocabulary's WordPiece tokenizer normalises text
+        self.vocab = tokenizer.vocab
+        self.tokenizer_spec = tokenizer.spec  # the vocabulary's file and normalisation, for exporting it
         self.hdf5_length = hdf5_length  # sequence length of the .hdf5 shards (None: hetfair-preprocess data)
         if args.nsp is None:  # NVIDIA's shards carry next-sentence labels, and HetSeq trained on them
             args.nsp = hdf5_length is not None
@@ -80,12 +79,12 @@ class BertTask(Task):
             if not args.dict:
                 raise ConfigError(f"--data {args.data} holds .hdf5 shards: give their vocabulary with --dict vocab.txt")
             length = max(Hdf5Shard(path).seq_length for path in hdf5_shards(args.data))
-            return cls(args, load_tokenizer(spec_for_file(args.dict, lowercase=True)).vocab, hdf5_length=length)
+            return cls(args, load_tokenizer(spec_for_file(args.dict, lowercase=True)), hdf5_length=length)
         tokenizer = load_tokenizer(destdir_tokenizer_spec(args.data))
         if args.dict:
             given = load_tokenizer(spec_for_file(args.dict, tokenizer.spec.lowercase))
             check_same_vocabulary(given, tokenizer)
-        return cls(args, tokenizer.vocab, lowercase=tokenizer.spec.lowercase)
+        return cls(args, tokenizer)
 
     def load_dataset(self, split: str) -> BertDataset | Hdf5BertDataset:
         if self.hdf5_length is not None:
