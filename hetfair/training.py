@@ -283,7 +283,7 @@ class TrainingRun:
         """Show the balancer this update's per-rank timings and log a new split."""
         if self.balancer is None:
             return
-        split = self.balancer.observe(result.samples, result.compute_seconds)
+        split = self.balancer.observe(result.timed_samples, result.compute_seconds)
         if split is not None:
             self._log("balance", {f"split{rank}": count for rank, count in enumerate(split)})
 

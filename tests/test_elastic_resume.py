@@ -238,7 +238,7 @@ def test_balancing_starts_afresh_on_ranks_with_other_batch_sizes():
 
 def test_per_rank_statistics_start_anew_on_another_number_of_ranks():
     def result(samples: list[float]) -> UpdateResult:
-        return UpdateResult(totals={}, samples=samples, compute_seconds=[1.0] * len(samples), lr=0.1, gnorm=1.0,
+        return UpdateResult(totals={}, samples=samples, timed_samples=samples, compute_seconds=[1.0] * len(samples), lr=0.1, gnorm=1.0,
                             clipped=False)
 
     saved = IntervalStats(lambda totals: {})
