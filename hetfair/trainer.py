@@ -206,7 +206,8 @@ class Trainer:
                     sample_size = 0
                 else:
                     local_samples += int(batch["nsentences"])
-                sum_logs(totals, {**logs, "sample_size": float(sample_size)})
+                sum_logs(totals, {**_batch_counts(batch, logs, sample is not None), **logs,
+                                  "sample_size": float(sample_size)})
                 totals.update((key, value) for key, value in logs.items() if not is_summable(value))
                 if is_last:
                     # 2. the stats all-reduce (logs, global sample size, per-rank timings) overlaps the last backward
@@ -430,6 +431,13 @@ def _fused_step(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is one of torch's fused implementations, which take a ``grad_scale`` to divide by."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
         group.get("fused") for group in optimizer.param_groups)
+
+
+def _batch_counts(batch: dict[str, Any], logs: dict[str, Any], has_samples: bool) -> dict[str, float]:
+    """The collater's ``nsentences`` and ``ntokens`` that the criterion does not log (``bsz`` and ``wps``
+    read them); zeros for a batch that only joins the collectives, so every rank logs the same keys."""
+    return {key: float(batch[key]) if has_samples else 0.0 for key in ("nsentences", "ntokens")
+            if key in batch and key not in logs}
 
 
 def _seed_rng(seed: int, device: torch.device) -> None:
