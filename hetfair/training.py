@@ -75,8 +75,9 @@ def resumed_shape(args: argparse.Namespace, saved: UpdateShape) -> UpdateShape:
 
 def fit_shape(args: argparse.Namespace, nominal: UpdateShape, caps: list[int], steps_free: bool = False) -> UpdateShape:
     """``nominal`` cut into steps the ranks can hold: more steps per update when one step does not fit,
-    unless ``--fixed-update-freq`` forbids it. ``steps_free``: no flag chose the steps (a resumed run),
-    so each update takes as few as the ranks hold, fewer than ``nominal``'s too."""
+    unless ``--fixed-update-freq`` forbids it. ``steps_free``: nothing chose the steps (a resumed run
+    without batch flags or balancing), so each update takes as few as the ranks hold, fewer than
+    ``nominal``'s too."""
     planned = UpdateShape(nominal.update_size, nominal.update_size) if steps_free else nominal
     shape = planned.fitted(sum(caps))
     if shape != nominal and args.fixed_update_freq:
@@ -183,7 +184,8 @@ class TrainingRun:
                          f"{nominal.steps_per_update} replaces the checkpoint's {saved.step_size} x "
                          f"{saved.steps_per_update}: the updates differ from those of the run that wrote it")
         self.nominal_shape = nominal
-        steps_free = args.global_batch_size is None and args.update_freq is None and not args.fixed_update_freq
+        typed = args.global_batch_size is not None or args.update_freq is not None
+        steps_free = not (typed or args.fixed_update_freq or args.auto_balance)  # balancing needs the step's room
         self.shape = fit_shape(args, nominal, self.caps, steps_free)
         self.balancer = self._new_balancer()
 

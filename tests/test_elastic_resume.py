@@ -114,6 +114,17 @@ def test_an_explicit_global_batch_and_update_freq_replace_the_checkpoints_with_a
     assert load_checkpoint(save_dir / "checkpoint_last.pt")["batch"] == {"global_batch_size": 32, "update_freq": 1}
 
 
+def test_auto_balance_keeps_the_checkpoints_steps_where_they_fit(tmp_path, capsys):
+    # 12 x 2 on a maximum of 24: the room of 12 samples is what lets the split move, so no step of 24
+    save_dir = tmp_path / "ckpt"
+    assert run(save_dir, 24, "--global-batch-size", "12", "--update-freq", "2", "--auto-balance",
+               "--max-update", "1") == 0
+    capsys.readouterr()
+    assert run(save_dir, 24, "--auto-balance", "--max-update", "2", "--log-format", "simple") == 0
+    assert "batch |" not in capsys.readouterr().err
+    assert load_checkpoint(save_dir / "checkpoint_last.pt")["batch"] == {"global_batch_size": 12, "update_freq": 2}
+
+
 SAVED = UpdateShape.of(12, 2)
 
 
