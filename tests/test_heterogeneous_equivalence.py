@@ -80,8 +80,8 @@ LONG_RUN_WINDOW = 25  # updates per train_inner line: each line's loss is the me
 
 
 def windowed_losses(log: str) -> list[float]:
-    return [record["loss"] for line in log.splitlines() if line.startswith("{")
-            if (record := json.loads(line))["phase"] == "train_inner"]
+    records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    return [record["loss"] for record in records if record["phase"] == "train_inner"]
 
 
 def test_long_runs_on_two_shapes_agree_closer_than_two_seeds(tmp_path, capsys):
