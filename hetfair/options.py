@@ -94,8 +94,9 @@ def add_optimization_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--max-epoch", type=int, default=0, metavar="N",
                        help="stop after N epochs (0: no limit; --max-epoch or --max-update must set one)")
     group.add_argument("--max-update", type=int, default=0, metavar="N", help="stop after N updates (0: no limit)")
-    group.add_argument("--update-freq", type=int, default=1, metavar="N",
-                       help="accumulate N micro-batches per update (gradient sync on the last only)")
+    group.add_argument("--update-freq", type=int, metavar="N",
+                       help="accumulate N micro-batches per update (gradient sync on the last only; default 1, "
+                            "or as many as keep the checkpoint's samples per update when resuming)")
     group.add_argument("--fixed-update-freq", action="store_true",
                        help="fail rather than raise --update-freq when the processes cannot hold the global batch "
                             "in one step (e.g. resuming on fewer of them)")

@@ -63,7 +63,7 @@ class LossScaleConfig:
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: int) -> "LossScaleConfig":
         """The flags of ``args``; the window defaults to fairseq's ``2**14 / world_size / update_freq``."""
-        window = args.fp16_scale_window or max(1, int(2**14 / world_size / args.update_freq))
+        window = args.fp16_scale_window or max(1, int(2**14 / world_size / (args.update_freq or 1)))
         return cls(args.fp16_init_scale, window, args.min_loss_scale, args.threshold_loss_scale)
 
 

@@ -157,8 +157,8 @@ class Trainer:
         self.lr_scheduler.step_update(0)
         self._dummy_batch = dummy_batch
         self._clock = _ComputeClock(self.params)
-        self._timing = (0.0, 0.0)  # this rank's samples and compute seconds of the last update
-        self._timed = False  # whether an update ran since start-up (or restore): its timings are real
+        self._last_seconds = 0.0  # this rank's compute seconds of the last update: they travel with the next
+        self._last_samples: list[float] = []  # every rank's samples of the last update (empty: none yet)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: nn.Module, criterion: nn.Module,
@@ -206,18 +206,20 @@ class Trainer:
                     sample_size = 0
                 else:
                     local_samples += int(batch["nsentences"])
-                sum_logs(totals, {**logs, "sample_size": float(sample_size)})
+                sum_logs(totals, {**_batch_counts(batch, logs, sample is not None), **logs,
+                                  "sample_size": float(sample_size)})
                 totals.update((key, value) for key, value in logs.items() if not is_summable(value))
                 if is_last:
                     # 2. the stats all-reduce (logs, global sample size, per-rank timings) overlaps the last backward
-                    pending = self._start_stats_sync(totals)
+                    pending = self._start_stats_sync(totals, local_samples)
                 if self.loss_scaler is not None:
                     loss = loss * self.loss_scaler.scale
                 loss.backward()
-        synced = (pending or self._start_stats_sync(totals)).wait()
-        self._timing = (float(local_samples), self._clock.last_grad_time - start)
-        timing = (synced.per_rank["samples"], synced.per_rank["compute_seconds"]) if self._timed else ([], [])
-        self._timed = True
+        synced = (pending or self._start_stats_sync(totals, local_samples)).wait()
+        self._last_seconds = self._clock.last_grad_time - start
+        samples = synced.per_rank["samples"]
+        timing = (samples, self._last_samples, synced.per_rank["compute_seconds"] if self._last_samples else [])
+        self._last_samples = samples
         total_sample_size = synced.totals["sample_size"]
         if total_sample_size <= 0:
             return None
@@ -271,17 +273,18 @@ class Trainer:
             torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
         return bool(found_inf.item())
 
-    def _start_stats_sync(self, totals: dict[str, Any]) -> PendingStats:
-        """Start summing ``totals`` over ranks, with every rank's samples and compute seconds of the previous update.
+    def _start_stats_sync(self, totals: dict[str, Any], samples: int) -> PendingStats:
+        """Start summing ``totals`` over ranks, with every rank's ``samples`` of this update and its compute
+        seconds of the previous one.
 
         The stats leave before the last backward, so this update's own compute time
-        is not known yet: timings arrive one update late (see :attr:`UpdateResult.samples`).
+        is not known yet: timings arrive one update late (see :attr:`UpdateResult.compute_seconds`).
         """
         totals.setdefault("sample_size", 0.0)
-        samples, seconds = self._timing
-        return start_sync_stats(self.context, totals, {"samples": samples, "compute_seconds": seconds})
+        per_rank = {"samples": float(samples), "compute_seconds": self._last_seconds}
+        return start_sync_stats(self.context, totals, per_rank)
 
-    def _skip(self, synced: SyncedStats, timing: tuple[list[float], list[float]]) -> UpdateResult:
+    def _skip(self, synced: SyncedStats, timing: tuple[list[float], list[float], list[float]]) -> UpdateResult:
         """Drop an overflowed update on this rank (every rank does the same) and lower the loss scale."""
         assert self.loss_scaler is not None
         self.optimizer.zero_grad(set_to_none=True)
@@ -428,6 +431,13 @@ def _fused_step(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is one of torch's fused implementations, which take a ``grad_scale`` to divide by."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
         group.get("fused") for group in optimizer.param_groups)
+
+
+def _batch_counts(batch: dict[str, Any], logs: dict[str, Any], has_samples: bool) -> dict[str, float]:
+    """The collater's ``nsentences`` and ``ntokens`` that the criterion does not log (``bsz`` and ``wps``
+    read them); zeros for a batch that only joins the collectives, so every rank logs the same keys."""
+    return {key: float(batch[key]) if has_samples else 0.0 for key in ("nsentences", "ntokens")
+            if key in batch and key not in logs}
 
 
 def _seed_rng(seed: int, device: torch.device) -> None:

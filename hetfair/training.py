@@ -48,17 +48,38 @@ def local_capacity(args: argparse.Namespace, task: Task, max_sentences: Optional
     return int(capacity)
 
 
-def command_shape(args: argparse.Namespace, caps: list[int], saved: Optional[UpdateShape] = None) -> UpdateShape:
-    """The updates the command line asks for: ``--global-batch-size`` samples per step (default: the
-    checkpoint's when resuming, else the sum of the per-rank batch sizes), ``--update-freq`` steps each."""
-    default = saved.step_size if saved is not None else sum(caps)
-    return UpdateShape.of(args.global_batch_size or default, args.update_freq)
+def command_shape(args: argparse.Namespace, caps: list[int]) -> UpdateShape:
+    """The updates of a fresh run: ``--global-batch-size`` samples per step (default: the sum of the
+    per-rank batch sizes), ``--update-freq`` steps each (default 1)."""
+    return UpdateShape.of(args.global_batch_size or sum(caps), args.update_freq or 1)
 
 
-def fit_shape(args: argparse.Namespace, nominal: UpdateShape, caps: list[int]) -> UpdateShape:
+def resumed_shape(args: argparse.Namespace, saved: UpdateShape) -> UpdateShape:
+    """The updates of a run resumed from a checkpoint of ``saved`` updates.
+
+    Only flags on the command line count, never defaults: without ``--update-freq`` the update
+    keeps the checkpoint's samples (``--global-batch-size`` alone must divide them); with it, the
+    update is ``--global-batch-size`` (default: the checkpoint's) times ``--update-freq``.
+    """
+    step, freq = args.global_batch_size, args.update_freq
+    if freq is not None:
+        return UpdateShape.of(step or saved.step_size, freq)
+    if step is None:
+        return saved
+    if saved.update_size % step:
+        raise ConfigError(f"--global-batch-size {step} does not divide the checkpoint's {saved.update_size} samples "
+                          f"per update ({saved.step_size} x --update-freq {saved.steps_per_update}); give a global "
+                          f"batch that divides it, or add --update-freq N to train updates of {step} x N samples")
+    return UpdateShape.of(step, saved.update_size // step)
+
+
+def fit_shape(args: argparse.Namespace, nominal: UpdateShape, caps: list[int], steps_free: bool = False) -> UpdateShape:
     """``nominal`` cut into steps the ranks can hold: more steps per update when one step does not fit,
-    unless ``--fixed-update-freq`` forbids it."""
-    shape = nominal.fitted(sum(caps))
+    unless ``--fixed-update-freq`` forbids it. ``steps_free``: nothing chose the steps (a resumed run
+    without batch flags or balancing), so each update takes as few as the ranks hold, fewer than
+    ``nominal``'s too."""
+    planned = UpdateShape(nominal.update_size, nominal.update_size) if steps_free else nominal
+    shape = planned.fitted(sum(caps))
     if shape != nominal and args.fixed_update_freq:
         raise ConfigError(
             f"the global batch of {nominal.step_size} samples does not fit in one step of {len(caps)} process(es) "
@@ -154,15 +175,18 @@ class TrainingRun:
         return LoadBalancer(self.caps, self.shape.step_size, BalanceConfig.from_args(self.args, lag=Trainer.TIMINGS_LAG))
 
     def _restore_shape(self, saved: UpdateShape) -> None:
-        """Keep the checkpoint's updates (its global batch and --update-freq) on this run's ranks,
-        unless the command line gives others; balancing then starts afresh on the new steps."""
-        nominal = command_shape(self.args, self.caps, saved)
-        if nominal != saved:
+        """Keep the checkpoint's updates (its samples per update) on this run's ranks, unless the
+        command line asks for others; balancing then starts afresh on the new steps."""
+        args = self.args
+        nominal = resumed_shape(args, saved)
+        if nominal.update_size != saved.update_size:
             self._notice(f"restore | the command line's global batch {nominal.step_size} x --update-freq "
                          f"{nominal.steps_per_update} replaces the checkpoint's {saved.step_size} x "
                          f"{saved.steps_per_update}: the updates differ from those of the run that wrote it")
         self.nominal_shape = nominal
-        self.shape = fit_shape(self.args, nominal, self.caps)
+        typed = args.global_batch_size is not None or args.update_freq is not None
+        steps_free = not (typed or args.fixed_update_freq or args.auto_balance)  # balancing needs the step's room
+        self.shape = fit_shape(args, nominal, self.caps, steps_free)
         self.balancer = self._new_balancer()
 
     # -- the loop ----------------------------------------------------------------
@@ -261,7 +285,7 @@ class TrainingRun:
         """Show the balancer this update's per-rank timings and log a new split."""
         if self.balancer is None:
             return
-        split = self.balancer.observe(result.samples, result.compute_seconds)
+        split = self.balancer.observe(result.timed_samples, result.compute_seconds)
         if split is not None:
             self._log("balance", {f"split{rank}": count for rank, count in enumerate(split)})
 
@@ -412,8 +436,13 @@ class TrainingRun:
         self.progress.info(f"setup | model {self.args.model} ({shape}) | task {self.args.task} | "
                            f"per-rank batch {caps} | per-rank precision {precisions}{scaling} | "
                            f"device {self.context.device}")
-        if self.shape != self.nominal_shape:
-            nominal = self.nominal_shape
+        nominal = self.nominal_shape
+        if self.shape.steps_per_update < nominal.steps_per_update:
+            self.progress.info(f"batch | these processes hold {sum(self.caps)} samples together: each update of "
+                               f"{nominal.update_size} samples takes {self.shape.steps_per_update} step(s) of up to "
+                               f"{self.shape.step_size} (--update-freq {nominal.steps_per_update} lowered to "
+                               f"{self.shape.steps_per_update})")
+        elif self.shape != nominal:
             self.progress.info(f"batch | the global batch of {nominal.step_size} does not fit in one step of these "
                                f"processes ({sum(self.caps)} samples together): each update of {nominal.update_size} "
                                f"samples takes {self.shape.steps_per_update} steps of up to {self.shape.step_size} "

@@ -248,13 +248,15 @@ def test_restored_default_balancer_decides_like_the_original():
 
 
 def update_result(samples: list[float], seconds: list[float]) -> UpdateResult:
-    return UpdateResult(totals={}, samples=samples, compute_seconds=seconds, lr=0.1, gnorm=1.0, clipped=False)
+    return UpdateResult(totals={}, samples=samples, timed_samples=samples, compute_seconds=seconds, lr=0.1, gnorm=1.0, clipped=False)
 
 
 def test_an_update_without_timings_keeps_the_intervals_per_rank_sums():
     stats = IntervalStats(lambda logs: {})
     stats.add(update_result([8, 8, 16, 32], [8.0, 8.0, 8.0, 8.0]), seconds=8.5)
-    stats.add(update_result([], []), seconds=8.5)  # a trainer's first update after a restore
+    first_after_restore = UpdateResult(totals={}, samples=[8, 8, 16, 32], timed_samples=[], compute_seconds=[],
+                                       lr=0.1, gnorm=1.0, clipped=False)
+    stats.add(first_after_restore, seconds=8.5)
     metrics = stats.metrics()
     assert [metrics[f"share{r}"] for r in range(4)] == [12.5, 12.5, 25.0, 50.0] and metrics["balance_eff"] == 1.0
 

@@ -47,6 +47,7 @@ def as_format_1(state: dict[str, Any]) -> dict[str, Any]:
     old["wall"] = state["clock"]["wall_seconds"]
     old["balance"] = None
     stats = dict(state["epoch_stats"])
+    stats.pop("timed_samples")  # format 1 had the timed samples only, under "samples"
     stats["per_rank"] = {"samples": stats.pop("samples"), "compute_seconds": stats.pop("compute_seconds")}
     old["epoch_stats"] = stats
     return old

@@ -8,6 +8,8 @@ ranks is tested in test_heterogeneous_equivalence.py). The reference is plain Py
 from __future__ import annotations
 
 import argparse
+import math
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +27,9 @@ from hetfair.distributed.stats import UpdateResult
 from hetfair.errors import ConfigError
 from hetfair.logging.meters import IntervalStats
 from hetfair.options import parse_train_args
+from hetfair.training import resumed_shape
 from hetfair_cli.train import main as train_main
-from helpers import TOY_PLUGIN, final_parameters
+from helpers import TOY_PLUGIN, final_parameters, run_nodes
 from toy_reference import TRAIN_SIZE, assert_same, reference_parameters, toy_train_args
 
 
@@ -62,7 +65,7 @@ def test_fitted_steps_cover_each_update_with_the_same_samples_in_the_same_order(
 
 
 def run(save_dir: Path, batch: int, *extra: str) -> int:
-    return train_main(toy_train_args(save_dir, 1, ("--max-sentences", str(batch), *extra)))
+    return train_main(toy_train_args(save_dir, None, ("--max-sentences", str(batch), *extra)))
 
 
 def test_resuming_with_smaller_batches_keeps_the_updates_of_the_checkpoint(tmp_path, capsys):
@@ -97,14 +100,75 @@ def test_fixed_update_freq_refuses_to_cut_the_global_batch_in_one_line(tmp_path,
         "sizes [32] (32 together) and --fixed-update-freq forbids more steps per update; drop --fixed-update-freq")
 
 
-def test_an_explicit_global_batch_replaces_the_checkpoints_with_a_notice(tmp_path, capsys):
+def test_an_explicit_global_batch_and_update_freq_replace_the_checkpoints_with_a_notice(tmp_path, capsys):
     save_dir = tmp_path / "ckpt"
     assert run(save_dir, 64, "--max-update", "1") == 0
     capsys.readouterr()
     assert run(save_dir, 64, "--max-update", "2", "--global-batch-size", "32", "--log-format", "simple") == 0
-    assert ("restore | the command line's global batch 32 x --update-freq 1 replaces the checkpoint's 64 x 1"
+    assert "replaces" not in capsys.readouterr().err  # 32 x 2: the checkpoint's 64 samples per update
+    assert load_checkpoint(save_dir / "checkpoint_last.pt")["batch"] == {"global_batch_size": 32, "update_freq": 2}
+    assert run(save_dir, 64, "--max-update", "3", "--global-batch-size", "32", "--update-freq", "1",
+               "--log-format", "simple") == 0
+    assert ("restore | the command line's global batch 32 x --update-freq 1 replaces the checkpoint's 32 x 2"
             in capsys.readouterr().err)
     assert load_checkpoint(save_dir / "checkpoint_last.pt")["batch"] == {"global_batch_size": 32, "update_freq": 1}
+
+
+def test_auto_balance_keeps_the_checkpoints_steps_where_they_fit(tmp_path, capsys):
+    # 12 x 2 on a maximum of 24: the room of 12 samples is what lets the split move, so no step of 24
+    save_dir = tmp_path / "ckpt"
+    assert run(save_dir, 24, "--global-batch-size", "12", "--update-freq", "2", "--auto-balance",
+               "--max-update", "1") == 0
+    capsys.readouterr()
+    assert run(save_dir, 24, "--auto-balance", "--max-update", "2", "--log-format", "simple") == 0
+    assert "batch |" not in capsys.readouterr().err
+    assert load_checkpoint(save_dir / "checkpoint_last.pt")["batch"] == {"global_batch_size": 12, "update_freq": 2}
+
+
+SAVED = UpdateShape.of(12, 2)
+
+
+@pytest.mark.parametrize("typed,expected", [
+    ((), SAVED),  # nothing typed: the checkpoint's
+    (("--global-batch-size", "8"), UpdateShape.of(8, 3)),  # as many steps as make the checkpoint's 24 samples
+    (("--update-freq", "1"), UpdateShape.of(12, 1)),  # the checkpoint's global batch, the typed --update-freq
+    (("--global-batch-size", "8", "--update-freq", "1"), UpdateShape.of(8, 1)),
+])
+def test_a_resumed_run_takes_only_typed_flags_over_the_checkpoints_updates(typed, expected):
+    assert resumed_shape(toy("--max-sentences", "24", *typed), SAVED) == expected
+
+
+def test_a_global_batch_that_does_not_divide_the_checkpoints_update_is_one_line():
+    with pytest.raises(ConfigError, match=r"^--global-batch-size 10 does not divide the checkpoint's 24 samples per "
+                                          r"update \(12 x --update-freq 2\); give a global batch that divides it, or "
+                                          r"add --update-freq N to train updates of 10 x N samples$"):
+        resumed_shape(toy("--max-sentences", "24", "--global-batch-size", "10"), SAVED)
+
+
+def test_a_resume_on_another_shape_without_update_freq_keeps_the_checkpoints_samples_per_update(tmp_path, capsys):
+    # two ranks of 6 x --update-freq 2 for an epoch (24 samples per update), then one rank of 24, no --update-freq
+    save_dir, copy = tmp_path / "ckpt", tmp_path / "copy"
+    two_ranks = toy_train_args(save_dir, 2, ("--max-epoch", "1", "--distributed-world-size", "2",
+                                             "--max-sentences", "6"))
+    for result in run_nodes([two_ranks], cwd=tmp_path):
+        assert result.returncode == 0, result.stderr
+    shutil.copytree(save_dir, copy)
+    updates_per_epoch = math.ceil(TRAIN_SIZE / 24)
+    capsys.readouterr()
+    assert train_main(toy_train_args(save_dir, None, ("--max-sentences", "24", "--log-format", "simple"))) == 0
+    err = capsys.readouterr().err
+    assert "replaces" not in err and ("batch | these processes hold 24 samples together: each update of 24 samples "
+                                      "takes 1 step(s) of up to 24 (--update-freq 2 lowered to 1)") in err
+    state = load_checkpoint(save_dir / "checkpoint_last.pt")
+    assert state["trainer"]["num_updates"] == 2 * updates_per_epoch
+    assert state["batch"] == {"global_batch_size": 12, "update_freq": 2}
+    assert_same(final_parameters(save_dir), reference_parameters(update_size=24))
+    # an --update-freq on the command line still replaces the checkpoint's: 12 x 1
+    assert train_main(toy_train_args(copy, 1, ("--max-sentences", "24", "--log-format", "simple"))) == 0
+    assert ("restore | the command line's global batch 12 x --update-freq 1 replaces the checkpoint's 12 x 2"
+            in capsys.readouterr().err)
+    assert load_checkpoint(copy / "checkpoint_last.pt")["trainer"]["num_updates"] == (
+        updates_per_epoch + math.ceil(TRAIN_SIZE / 12))
 
 
 def test_a_checkpoint_without_a_batch_part_resumes_with_the_command_lines(tmp_path):
@@ -185,7 +249,7 @@ def test_balancing_starts_afresh_on_ranks_with_other_batch_sizes():
 
 def test_per_rank_statistics_start_anew_on_another_number_of_ranks():
     def result(samples: list[float]) -> UpdateResult:
-        return UpdateResult(totals={}, samples=samples, compute_seconds=[1.0] * len(samples), lr=0.1, gnorm=1.0,
+        return UpdateResult(totals={}, samples=samples, timed_samples=samples, compute_seconds=[1.0] * len(samples), lr=0.1, gnorm=1.0,
                             clipped=False)
 
     saved = IntervalStats(lambda totals: {})

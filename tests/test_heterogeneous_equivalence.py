@@ -7,12 +7,14 @@ plain PyTorch loop over the same global batches.
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from helpers import final_parameters, free_port, node_commands, run_nodes
+from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, run_nodes
+from hetfair_cli.train import main as train_main
 from toy_reference import TRAIN_SIZE, assert_same, reference_parameters, toy_train_args
 
 
@@ -72,3 +74,38 @@ def test_a_rank_with_no_samples_still_joins(tmp_path):
     assert math.ceil(TRAIN_SIZE / 32) * 32 - TRAIN_SIZE == 24
     expected = reference_parameters(update_size=32)
     assert_same(run_cluster(tmp_path, [1, 31], 1, "tcp"), expected)
+
+
+LONG_RUN_WINDOW = 25  # updates per train_inner line: each line's loss is the mean over its window
+
+
+def windowed_losses(log: str) -> list[float]:
+    records = [json.loads(line) for line in log.splitlines() if line.startswith("{")]
+    return [record["loss"] for record in records if record["phase"] == "train_inner"]
+
+
+def test_long_runs_on_two_shapes_agree_closer_than_two_seeds(tmp_path, capsys):
+    """1 x 64 and 2 x 32 take the same updates up to float summation order, which training amplifies
+    (benchmarks/bench_long_run_shapes.py: the parameters drift apart over ~1000 updates). What stays is
+    the training itself: the shapes' loss curves must differ less than those of two seeds of one shape,
+    the spread of "the same run, other random choices". A change of the update's meaning (a
+    reweighting, a lost or doubled sample) moves the curve by more than float rounding does."""
+    def train(seed: int, batch_sizes: list[int]) -> list[float]:
+        args = ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--toy-train-size", "6400", "--seed", str(seed),
+                "--max-epoch", "0", "--max-update", "300", "--log-format", "json", "--log-interval",
+                str(LONG_RUN_WINDOW), "--disable-validation", "--no-save", "--distributed-timeout", "60",
+                "--max-sentences", ",".join(map(str, batch_sizes)), "--distributed-world-size", str(len(batch_sizes))]
+        if len(batch_sizes) == 1:  # in this process: no start-up to pay
+            capsys.readouterr()
+            assert train_main(args) == 0
+            return windowed_losses(capsys.readouterr().err)
+        [result] = run_nodes([args], cwd=tmp_path)
+        assert result.returncode == 0, result.stderr
+        return windowed_losses(result.stderr)
+
+    def distance(a: list[float], b: list[float]) -> float:
+        assert len(a) == len(b) == 300 // LONG_RUN_WINDOW
+        return sum(abs(x - y) for x, y in zip(a, b)) / len(a)
+
+    one, two, other_seed = train(3, [64]), train(3, [32, 32]), train(4, [64])
+    assert distance(one, two) < distance(one, other_seed), (distance(one, two), distance(one, other_seed))

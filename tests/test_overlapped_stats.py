@@ -1,4 +1,4 @@
-"""The stats all-reduce overlaps the last backward: same update as plain PyTorch, timings one update late.
+"""The stats all-reduce overlaps the last backward: same update as plain PyTorch, only timings one update late.
 
 Two real gloo processes drive :class:`Trainer` directly with uneven micro-batches
 (rank 0: 3 + 5 samples, rank 1: 8 + none, so rank 1's last micro-batch only
@@ -13,12 +13,14 @@ from argparse import Namespace
 from pathlib import Path
 from typing import Any, Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
+from helpers import TOY_PLUGIN, run_nodes
 from hetfair.distributed.context import DistributedContext
 from hetfair.optim.lr_scheduler.fixed import FixedSchedule
 from hetfair.trainer import Trainer, TrainerConfig
@@ -72,7 +74,8 @@ def _rank(rank: int, world: int, store: str, out_dir: str) -> None:
         result = trainer.train_step(rank_micro_batches(rank, x, y))
         assert result is not None
         results.append({"loss": result.totals["loss"], "sample_size": result.totals["sample_size"],
-                        "samples": result.samples, "seconds": len(result.compute_seconds), "gnorm": result.gnorm})
+                        "samples": result.samples,
+                        "timed_samples": result.timed_samples, "seconds": len(result.compute_seconds), "gnorm": result.gnorm})
     params = {name: p.detach().tolist() for name, p in trainer.model.named_parameters()}
     Path(out_dir, f"{rank}.json").write_text(json.dumps({"results": results, "params": params}))
     dist.destroy_process_group()
@@ -93,7 +96,7 @@ def plain_pytorch() -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
     return stats, dict(model.named_parameters())
 
 
-def test_overlapped_stats_sync_gives_plain_pytorchs_update_and_timings_one_update_late(tmp_path):
+def test_overlapped_stats_sync_gives_plain_pytorchs_update_and_only_timings_one_update_late(tmp_path):
     world = len(RANK_SIZES)
     mp.spawn(_rank, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
     expected_stats, expected_params = plain_pytorch()
@@ -105,6 +108,28 @@ def test_overlapped_stats_sync_gives_plain_pytorchs_update_and_timings_one_updat
             assert result["sample_size"] == sum(map(sum, RANK_SIZES))
             assert abs(result["loss"] - expected["loss"]) <= 1e-5 * abs(expected["loss"])
             assert abs(result["gnorm"] - expected["gnorm"]) <= 1e-5 * expected["gnorm"]
-            # the first update carries no timings; each later one carries the previous update's
-            assert result["samples"] == ([] if update == 0 else [float(sum(sizes)) for sizes in RANK_SIZES])
+            # counts are the update's own; the first update carries no timings, each later one the previous update's
+            rank_samples = [float(sum(sizes)) for sizes in RANK_SIZES]
+            assert result["samples"] == rank_samples
+            assert result["timed_samples"] == ([] if update == 0 else rank_samples)
             assert result["seconds"] == (0 if update == 0 else world)
+
+
+SHARES = [4, 4, 16]  # 98 samples: four steps of 24, then one of 2, split 1 : 0 : 1 (largest remainder, ties low)
+EPOCH_SAMPLES = [4 * size + last for size, last in zip(SHARES, [1, 0, 1])]
+
+
+def test_per_rank_shares_belong_to_their_own_update_and_epoch(tmp_path):
+    args = ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--toy-train-size", "98", "--max-epoch", "2",
+            "--distributed-world-size", "3", "--max-sentences", ",".join(map(str, SHARES)), "--log-format", "json",
+            "--log-interval", "1", "--disable-validation", "--no-save", "--distributed-timeout", "60"]
+    [result] = run_nodes([args], cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    records = [json.loads(line) for line in result.stderr.splitlines() if line.startswith("{")]
+    inner = [r for r in records if r["phase"] == "train_inner"]
+    full, last = [100 * s / 24 for s in SHARES], [50.0, 0.0, 50.0]
+    for record, (shares, bsz) in zip(inner, 2 * ([(full, 24.0)] * 4 + [(last, 2.0)])):
+        assert [record[f"share{r}"] for r in range(3)] == pytest.approx(shares) and record["bsz"] == bsz, record
+    for epoch in [r for r in records if r["phase"] == "train"]:
+        assert [epoch[f"share{r}"] for r in range(3)] == pytest.approx([100 * s / 98 for s in EPOCH_SAMPLES])
+        assert epoch["bsz"] == pytest.approx(98 / 5)

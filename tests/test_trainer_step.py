@@ -39,10 +39,11 @@ def test_an_update_after_validation_trains_in_train_mode():
     assert model.training and model[1].training and trainer.criterion.training
 
 
-def test_each_update_reports_the_previous_updates_samples():
+def test_each_update_reports_its_own_samples_and_the_previous_updates_timings():
     trainer = one_process_trainer(nn.Linear(6, 3))
     results = [trainer.train_step([batch(size)]) for size in (4, 7, 5)]
-    assert [r.samples for r in results] == [[], [4.0], [7.0]]
+    assert [r.samples for r in results] == [[4.0], [7.0], [5.0]]
+    assert [r.timed_samples for r in results] == [[], [4.0], [7.0]]
     assert [len(r.compute_seconds) for r in results] == [0, 1, 1] and results[2].compute_seconds[0] > 0
     assert [r.totals["sample_size"] for r in results] == [4.0, 7.0, 5.0]  # the logs are the update's own
 

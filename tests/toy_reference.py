@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import numpy as np
 import torch
@@ -41,10 +42,12 @@ def assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tenso
         torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
 
 
-def toy_train_args(save_dir: Path, update_freq: int, extra: tuple[str, ...] = ()) -> list[str]:
+def toy_train_args(save_dir: Path, update_freq: Optional[int], extra: tuple[str, ...] = ()) -> list[str]:
+    """The toy run of the reference; ``update_freq`` ``None`` leaves ``--update-freq`` off the command line."""
+    freq = () if update_freq is None else ("--update-freq", str(update_freq))
     return [
         "--user-dir", str(TOY_PLUGIN), "--task", "toy", "--toy-train-size", str(TRAIN_SIZE),
         "--optimizer", "sgd", "--lr", str(LR), "--seed", str(SEED), "--max-epoch", str(EPOCHS),
-        "--update-freq", str(update_freq), "--save-dir", str(save_dir), "--no-epoch-checkpoints",
+        *freq, "--save-dir", str(save_dir), "--no-epoch-checkpoints",
         "--log-format", "none", "--disable-validation", "--distributed-timeout", "60", *extra,
     ]

@@ -48,11 +48,14 @@ class UpdateResult:
     totals: dict[str, Any]
     """The criterion's logs (and ``sample_size``) summed over ranks and micro-batches."""
     samples: list[float]
-    """Samples each rank trained on in the *previous* update, indexed by rank (empty on a trainer's first
-    update): the stats leave before this update's last backward, so its timings travel with the next."""
+    """Samples each rank trained on in this update, indexed by rank."""
+    timed_samples: list[float]
+    """Samples each rank trained on in the *previous* update (empty on a trainer's first update): those of
+    :attr:`compute_seconds`."""
     compute_seconds: list[float]
     """Each rank's own forward/backward seconds of the previous update (waiting for peers excluded), indexed
-    by rank; empty with :attr:`samples`."""
+    by rank; empty with :attr:`timed_samples`. The stats leave before this update's last backward, so its
+    timings travel with the next."""
     lr: float
     gnorm: float
     clipped: bool

@@ -16,12 +16,16 @@ class IntervalStats:
     Metrics: the criterion's (loss, accuracy, ppl ...), ``lr``, ``gnorm`` (mean),
     ``clip`` (percent of updates clipped), ``ups`` (updates/s), ``wps``
     (tokens/s), ``bsz`` (samples per update), plus per rank ``share{r}`` (percent
-    of the samples) and ``sps{r}`` (samples per second of its own compute), and
+    of the interval's samples) and ``sps{r}`` (samples per second of its own compute), and
     ``balance_eff``: the compute time the interval's samples would have needed had
     every rank finished together at its measured speed, ``sum_r n_r / sum_r sps_r``,
     divided by the compute time it took, ``sum_u max_r t_{r,u}`` (each update waits
     for its slowest rank). 1 is perfect balance; an equal split on ranks of speeds
     1:1:2:4 gives 0.5.
+
+    Counts belong to the update that produced them; only the timings behind ``sps{r}`` and
+    ``balance_eff`` are an update late (:attr:`UpdateResult.compute_seconds`), and are taken
+    with the samples they measured.
 
     The seconds behind ``ups`` and ``wps`` are the updates' own (data loading
     included), as the loop passes them to :meth:`add`: validation and checkpoint
@@ -40,6 +44,7 @@ class IntervalStats:
     def reset(self) -> None:
         self.totals: dict[str, float] = {}
         self.samples: list[float] = []
+        self.timed_samples: list[float] = []  # the samples that compute_seconds measured
         self.compute_seconds: list[float] = []
         self.slowest_seconds = 0.0
         self.updates = 0
@@ -59,6 +64,7 @@ class IntervalStats:
             return
         sum_logs(self.totals, result.totals)
         self.samples = _add(self.samples, result.samples)
+        self.timed_samples = _add(self.timed_samples, result.timed_samples)
         self.compute_seconds = _add(self.compute_seconds, result.compute_seconds)
         self.slowest_seconds += max(result.compute_seconds, default=0.0)
         self.updates += 1
@@ -81,20 +87,21 @@ class IntervalStats:
             wps=self.totals.get("ntokens", 0.0) / elapsed,
             bsz=self.totals.get("nsentences", 0.0) / self.updates,
         )
-        samples, seconds = self.samples, self.compute_seconds
-        total_samples = sum(samples)
-        for rank, (count, busy) in enumerate(zip(samples, seconds)):
+        total_samples = sum(self.samples)
+        for rank, count in enumerate(self.samples):
             metrics[f"share{rank}"] = 100.0 * count / total_samples if total_samples else 0.0
+        timed, seconds = self.timed_samples, self.compute_seconds
+        for rank, (count, busy) in enumerate(zip(timed, seconds)):
             metrics[f"sps{rank}"] = count / busy if busy > 0 else 0.0
-        total_speed = sum(count / busy for count, busy in zip(samples, seconds) if busy > 0)
+        total_speed = sum(count / busy for count, busy in zip(timed, seconds) if busy > 0)
         if total_speed > 0 and self.slowest_seconds > 0:
-            metrics["balance_eff"] = total_samples / total_speed / self.slowest_seconds
+            metrics["balance_eff"] = sum(timed) / total_speed / self.slowest_seconds
         metrics.update(scaling)
         return metrics
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data snapshot for checkpoints."""
-        return {"totals": dict(self.totals), "samples": list(self.samples),
+        return {"totals": dict(self.totals), "samples": list(self.samples), "timed_samples": list(self.timed_samples),
                 "compute_seconds": list(self.compute_seconds), "slowest_seconds": self.slowest_seconds,
                 "updates": self.updates, "gnorm_sum": self.gnorm_sum, "clipped": self.clipped, "lr": self.lr,
                 "seconds": self.seconds, "skipped": self.skipped, "loss_scale": self.loss_scale}
@@ -103,6 +110,8 @@ class IntervalStats:
         self.reset()
         self.totals = dict(state["totals"])
         self.samples = [float(x) for x in state["samples"]]
+        # checkpoints written before counts travelled on time held the timed samples only
+        self.timed_samples = [float(x) for x in state.get("timed_samples", state["samples"])]
         self.compute_seconds = [float(x) for x in state["compute_seconds"]]
         self.slowest_seconds = state["slowest_seconds"]
         self.updates = state["updates"]

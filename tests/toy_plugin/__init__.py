@@ -8,8 +8,10 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
-from hetfair import register_model, register_model_architecture, register_task
+from hetfair import register_criterion, register_model, register_model_architecture, register_task
+from hetfair.criteria import HetfairCriterion
 from hetfair.models import HetfairModel
 from hetfair.tasks import Task
 
@@ -64,3 +66,12 @@ class ToyMLP(HetfairModel):
 @register_model_architecture("toy_mlp", "toy_mlp_wide")
 def toy_mlp_wide() -> dict:
     return {"toy_hidden": 64}
+
+
+@register_criterion("toy_loss_only")
+class LossOnlyCriterion(HetfairCriterion):
+    """Cross-entropy that logs its loss and nothing else (the batch's counts are the collater's)."""
+
+    def forward(self, model: torch.nn.Module, sample: dict) -> tuple[torch.Tensor, int, dict[str, float]]:
+        loss = F.cross_entropy(model(**sample["net_input"]), sample["target"], reduction="sum")
+        return loss, len(sample["target"]), {"loss": float(loss.detach())}
