@@ -27,7 +27,7 @@ help:
 demo: setup demo-data
 	$(BIN)/hetfair-train --user-dir plugins --task mnist --dataset fashion-mnist --max-epoch 1 \
 	    --save-dir $(DEMO_SAVE_DIR) --tensorboard-logdir $(DEMO_LOGDIR)
-	$(BIN)/hetfair-validate --path $(DEMO_SAVE_DIR)/checkpoint_best.pt --valid-subset test
+	$(BIN)/hetfair-validate --user-dir plugins --path $(DEMO_SAVE_DIR)/checkpoint_best.pt --valid-subset test
 	@echo
 	@echo "Checkpoints:     $(DEMO_SAVE_DIR)/checkpoint_best.pt and checkpoint_last.pt"
 	@echo "TensorBoard:     $(BIN)/tensorboard --logdir $(DEMO_LOGDIR)   then open http://localhost:6006"
