@@ -253,3 +253,25 @@ def test_validate_into_a_closed_pipe_ends_quietly(tmp_path):
         os.close(writer)
     assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
     assert result.returncode == 141
+
+
+def test_validate_evaluates_no_further_split_once_its_reader_has_gone(tmp_path):
+    save_dir, pause = tmp_path / "ckpt", tmp_path / "pause"
+    assert train_main(toy(save_dir, "--log-format", "none", "--max-epoch", "1", "--toy-held-split", "held",
+                          "--toy-pause-file", str(pause))) == 0
+    pause.touch()  # loading the split 'held' now waits until the file is gone
+    process = subprocess.Popen(validate_command("--path", str(save_dir / "checkpoint_last.pt"), "--valid-subset",
+                                                "valid,held", "--user-dir", str(TOY_PLUGIN)),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().startswith("valid | loss ")
+        process.stdout.close()  # what `| head -1` does once it has its line
+        try:
+            returncode = process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            returncode = None  # still waiting to evaluate 'held', for nobody
+    finally:
+        pause.unlink()
+        stderr = process.communicate(timeout=120)[1]
+    assert returncode == 141, f"hetfair-validate went on to the next split after its reader had gone: {stderr}"
+    assert stderr == ""
