@@ -426,7 +426,20 @@ def test_then_a_checksummed_download(tmp_path: Path, caplog: pytest.LogCaptureFi
         f"data | Fake-MNIST downloaded into {data_dir} (SHA-256 verified)"]
 
 
-def test_when_nothing_works_one_error_gives_every_reason_and_the_fix(tmp_path: Path) -> None:
+def offline_dataset(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, installed: bool) -> Path:
+    """Make Fashion-MNIST's system copy a directory of ``tmp_path``, holding the files when ``installed``."""
+    system_dir = tmp_path / "usr-share" / "fashion-mnist"
+    if installed:
+        system_dir.mkdir(parents=True)
+        for name, content in mnist_files(1).items():
+            (system_dir / name).write_bytes(content)
+    monkeypatch.setattr(mnist_sources, "OFFLINE_DATASET",
+                        dataclasses.replace(mnist_sources.FASHION_MNIST, system_dir=system_dir))
+    return system_dir
+
+
+def test_when_nothing_works_one_error_gives_every_reason_and_the_fix(tmp_path: Path, monkeypatch) -> None:
+    offline_dataset(tmp_path, monkeypatch, installed=False)
     dataset, cache_root = fake_dataset(tmp_path, mnist_files(0), with_system_copy=False)
     with pytest.raises(DataError) as exc_info:
         mnist_sources.locate(dataset, cache_root, [UNREACHABLE])
@@ -440,7 +453,10 @@ def test_when_nothing_works_one_error_gives_every_reason_and_the_fix(tmp_path: P
     assert not cache_root.exists(), "no empty cache directory is left behind"
 
 
-def test_offline_mnist_default_is_one_error_line_with_the_fix(tmp_path: Path, capsys) -> None:
+@pytest.mark.parametrize("installed", [False, True], ids=["fashion-mnist-missing", "fashion-mnist-installed"])
+def test_offline_mnist_default_is_one_error_line_with_the_fix(tmp_path: Path, capsys, monkeypatch,
+                                                              installed: bool) -> None:
+    system_dir = offline_dataset(tmp_path, monkeypatch, installed)
     cache = tmp_path / "cache"
     code = train_main(["--user-dir", str(PLUGIN_DIR), "--task", "mnist", "--mnist-cache-dir", str(cache),
                        "--mnist-mirror", UNREACHABLE, "--save-dir", str(tmp_path / "checkpoints")])
@@ -449,7 +465,12 @@ def test_offline_mnist_default_is_one_error_line_with_the_fix(tmp_path: Path, ca
     assert notice == f"data | MNIST is in neither the cache nor a system copy: downloading it into {cache / 'mnist'}"
     assert error.startswith(f"hetfair-train: error: no MNIST data: (1) the cache {cache / 'mnist'} does not exist; "
                             f"(2) no system package provides MNIST; (3) the download failed")
-    assert "apt-get install dataset-fashion-mnist` and train with --dataset fashion-mnist" in error
+    if installed:  # nothing to install: the fix is the flag
+        assert f"To fix it, train with --dataset fashion-mnist instead: Fashion-MNIST is installed in {system_dir}; " \
+               f"or copy the four files" in error
+        assert "apt-get" not in error
+    else:
+        assert "apt-get install dataset-fashion-mnist` and train with --dataset fashion-mnist" in error
     assert not cache.exists()
 
 
