@@ -221,7 +221,7 @@ def test_pixel_stats_from_the_histogram_are_numpys_mean_and_std() -> None:
 
 def test_every_split_is_standardised_with_the_training_statistics(tmp_path: Path) -> None:
     data_dir = write_mnist_dir(tmp_path)
-    task = MnistTask.setup_task(mnist_args("--data", str(data_dir)))
+    task = MnistTask.setup_task(mnist_args("--data", str(data_dir), "--valid-size", "0"))  # train: all train files
     train_pixels = idx.read_idx(data_dir / "train-images-idx3-ubyte.gz").astype(np.float64)
     test_pixels = idx.read_idx(data_dir / "t10k-images-idx3-ubyte.gz").astype(np.float64)
     expected = (test_pixels[1] - train_pixels.mean()) / train_pixels.std()
@@ -236,30 +236,62 @@ def test_no_normalize_scales_pixels_to_unit_range(tmp_path: Path) -> None:
     torch.testing.assert_close(image[0], torch.from_numpy(raw[2]).float() / 255)
 
 
-def test_valid_and_test_are_the_t10k_files_by_default(tmp_path: Path) -> None:
-    data_dir = write_mnist_dir(tmp_path, n_train=12, n_test=5)
+def split_images(task: MnistTask, split: str) -> list[bytes]:
+    """The raw pixels of each image of ``split``, undoing the task's standardisation."""
+    mean, std = task._normalisation()
+    dataset = task.dataset(split)
+    return [(dataset[i][0][0] * std + mean).round().to(torch.uint8).numpy().tobytes() for i in range(len(dataset))]
+
+
+def test_by_default_a_tenth_of_the_training_images_is_valid_and_test_is_the_t10k_files(tmp_path: Path) -> None:
+    data_dir = write_mnist_dir(tmp_path, n_train=20, n_test=5)
     task = MnistTask.setup_task(mnist_args("--data", str(data_dir)))
-    labels = idx.read_idx(data_dir / "t10k-labels-idx1-ubyte.gz").tolist()
-    for split in ("valid", "test"):
-        assert [task.dataset(split)[i][1] for i in range(5)] == labels
-    assert len(task.dataset("train")) == 12
+    train_files = [image.tobytes() for image in idx.read_idx(data_dir / "train-images-idx3-ubyte.gz")]
+    train, valid = split_images(task, "train"), split_images(task, "valid")
+    assert len(valid) == 2 and len(train) == 18
+    assert sorted(train + valid) == sorted(train_files)  # each training image in exactly one of them
+    assert [task.dataset("test")[i][1] for i in range(5)] == idx.read_idx(data_dir / "t10k-labels-idx1-ubyte.gz").tolist()
 
 
-def test_valid_size_holds_out_the_last_training_images(tmp_path: Path) -> None:
+def test_valid_size_holds_out_that_many_training_images_the_same_in_every_run(tmp_path: Path) -> None:
     data_dir = write_mnist_dir(tmp_path, n_train=12)
-    task = MnistTask.setup_task(mnist_args("--data", str(data_dir), "--valid-size", "3"))
-    labels = idx.read_idx(data_dir / "train-labels-idx1-ubyte.gz").tolist()
-    train, valid = task.dataset("train"), task.dataset("valid")
-    assert [train[i][1] for i in range(len(train))] == labels[:9]
-    assert [valid[i][1] for i in range(len(valid))] == labels[9:]
-    assert len(task.dataset("test")) == 5
+    first = MnistTask.setup_task(mnist_args("--data", str(data_dir), "--valid-size", "3"))
+    other_seed = MnistTask.setup_task(mnist_args("--data", str(data_dir), "--valid-size", "3", "--seed", "7"))
+    assert len(split_images(first, "valid")) == 3 and len(split_images(first, "train")) == 9
+    assert split_images(first, "valid") == split_images(other_seed, "valid")
+    assert split_images(first, "train") == split_images(other_seed, "train")
+
+
+def test_valid_size_zero_makes_valid_the_t10k_files(tmp_path: Path) -> None:
+    data_dir = write_mnist_dir(tmp_path, n_train=12, n_test=5)
+    task = MnistTask.setup_task(mnist_args("--data", str(data_dir), "--valid-size", "0"))
+    assert split_images(task, "valid") == split_images(task, "test")
+    assert len(task.dataset("train")) == 12
 
 
 def test_valid_size_must_leave_training_images(tmp_path: Path) -> None:
     task = MnistTask.setup_task(mnist_args("--data", str(write_mnist_dir(tmp_path, n_train=12)), "--valid-size", "12"))
     with pytest.raises(DataError) as exc_info:
         task.dataset("valid")
-    assert_one_line_naming(exc_info, "--valid-size must be in 0..11", "got 12")
+    assert_one_line_naming(exc_info, "--valid-size 12 holds out 12 of the 12 training images; it must leave some")
+
+
+@pytest.mark.parametrize("text", ["-1", "1.5", "abc"])
+def test_valid_size_is_a_count_or_a_fraction(text: str) -> None:
+    mnist_task = importlib.import_module("plugins.mnist_task")
+    assert (mnist_task.valid_size("5000"), mnist_task.valid_size("0"), mnist_task.valid_size("0.25")) == (5000, 0, 0.25)
+    with pytest.raises(argparse.ArgumentTypeError, match=f"'{text}' is neither a number of images nor a fraction"):
+        mnist_task.valid_size(text)
+
+
+def test_max_images_keeps_the_first_images_of_each_split(tmp_path: Path) -> None:
+    data_dir = write_mnist_dir(tmp_path, n_train=20, n_test=5)
+    whole = MnistTask.setup_task(mnist_args("--data", str(data_dir), "--no-normalize"))
+    few = MnistTask.setup_task(mnist_args("--data", str(data_dir), "--no-normalize", "--max-images", "3"))
+    for split in ("train", "valid", "test"):
+        assert split_images(few, split) == split_images(whole, split)[:3]
+    with pytest.raises(DataError, match="--max-images must be at least 0"):
+        MnistTask.setup_task(mnist_args("--data", str(data_dir), "--max-images", "-1")).dataset("test")
 
 
 def test_unknown_split_is_a_data_error(tmp_path: Path) -> None:
@@ -284,10 +316,10 @@ def test_help_shows_the_task_and_model_flags(capsys: pytest.CaptureFixture[str])
         train_main(["--user-dir", str(PLUGIN_DIR), "--task", "mnist", "--help"])
     assert exit_info.value.code == 0
     help_text = capsys.readouterr().out
-    for flag in ("--dataset", "--mnist-cache-dir", "--mnist-mirror", "--valid-size", "--no-normalize",
+    for flag in ("--dataset", "--mnist-cache-dir", "--mnist-mirror", "--valid-size", "--max-images", "--no-normalize",
                  "--conv1-channels", "--conv2-channels", "--fc-dim", "--dropout"):
         assert flag in help_text
-    assert "'valid' and 'test' are both the t10k" in help_text
+    assert "'test' is the t10k files (0: 'valid' is the t10k files too) (default: 0.1)" in " ".join(help_text.split())
 
 
 @pytest.mark.parametrize("arch", ["mnist_cnn", "mnist_cnn_small", "mnist_mlp"])
