@@ -2,8 +2,8 @@
 #   make demo   set everything up, then train the MNIST example on Fashion-MNIST end to end
 #   make test   set everything up, then run the test suite (what .ci/run does)
 # "Everything" is a virtual environment in $(VENV) with torch (a CPU build unless an NVIDIA GPU
-# is present), hetfair and the example plugin, plus the Debian data packages. Each step is
-# skipped when it is done already, so running either again is fast.
+# is present), hetfair and the example plugin (and, for make test, the test tools), plus the Debian
+# data packages. Each step is skipped when it is done already, so running either again is fast.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -34,7 +34,7 @@ demo: setup demo-data
 	@echo "                 (the CUSTOM SCALARS tab shows every rank's share and speed on one chart)"
 	@echo "The tools:       . $(BIN)/activate; hetfair-train --user-dir plugins --task mnist --help"
 
-test: setup test-data
+test: setup $(STAMPS)/test-tools test-data
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 setup: $(STAMPS)/installed
@@ -56,5 +56,9 @@ $(STAMPS)/torch: | $(BIN)/python
 	@mkdir -p $(STAMPS) && touch $@
 
 $(STAMPS)/installed: $(STAMPS)/torch setup.cfg pyproject.toml plugins/hetfair_plugin_example/pyproject.toml
-	$(BIN)/python -m pip install --quiet -e ".[test]" -e plugins/hetfair_plugin_example
+	$(BIN)/python -m pip install --quiet -e . -e plugins/hetfair_plugin_example
+	@touch $@
+
+$(STAMPS)/test-tools: $(STAMPS)/installed
+	$(BIN)/python -m pip install --quiet -e ".[test]"
 	@touch $@
