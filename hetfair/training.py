@@ -343,14 +343,22 @@ class TrainingRun:
         """Resume from the checkpoint, if any; say so, and which optimizer settings the command line changed."""
         path = self.checkpointer.restore()
         if path is None:
+            self._say_what_no_save_leaves_alone()
             return None
-        self.progress.log("restore", {"epoch": self.position.epoch, "samples_done": self.position.samples_done},
-                          self.position.epoch, self.trainer.num_updates)
+        self.progress.log("restore", {"samples_done": self.position.samples_done}, self.position.epoch,
+                          self.trainer.num_updates)
         changed = self.trainer.optimizer_overrides
         if changed:
             self._notice("restore | optimizer settings from the command line replace the checkpoint's: " + ", ".join(
                 f"{name} {new} (was {old})" for name, (old, new) in changed.items()))
         return path
+
+    def _say_what_no_save_leaves_alone(self) -> None:
+        config = self.checkpointer.config
+        last = config.restore_path()
+        if not config.resumes() and last.is_file():
+            self._notice(f"restore | not resuming from {last}: a --no-save run starts afresh "
+                         f"(--restore-file {last} resumes from it)")
 
     def _preemption_detail(self) -> str:
         saved = ("no checkpoint written (--no-save)" if self.checkpointer.config.no_save else
