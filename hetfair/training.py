@@ -248,14 +248,14 @@ class TrainingRun:
         result = self.trainer.train_step(update.micro_batches)
         seconds = self.stopwatch.lap()
         self.position.samples_done += update.global_samples
-        self.progress.step(len(update.micro_batches))
-        if result is None:
-            return
-        if self._shards_to_report and not result.skipped:
-            self._report_optimizer_shards()
-        self.interval.add(result, seconds)
-        self.epoch_stats.add(result, seconds)
-        self._rebalance(result)
+        if result is not None:
+            if self._shards_to_report and not result.skipped:
+                self._report_optimizer_shards()
+            self.interval.add(result, seconds)
+            self.epoch_stats.add(result, seconds)
+            self._rebalance(result)
+        # the bar's loss: of the updates since the last train_inner line, from the stats already synced
+        self.progress.step(len(update.micro_batches), self.interval.criterion_metrics)
 
     def _rebalance(self, result: UpdateResult) -> None:
         """Show the balancer this update's per-rank timings and log a new split."""

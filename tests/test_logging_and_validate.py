@@ -161,6 +161,24 @@ def test_validate_prints_what_training_printed_for_the_same_checkpoint(tmp_path,
     assert out == f"valid | {metrics}"
 
 
+def test_the_bars_loss_moves_with_every_update(tmp_path, capsys, monkeypatch):
+    shown: list[str] = []
+    step = Progress.step
+
+    def recording_step(progress: Progress, *args, **kwargs) -> None:
+        step(progress, *args, **kwargs)
+        shown.append(progress._bar.postfix)
+
+    monkeypatch.setattr(Progress, "step", recording_step)
+    assert train_main(toy(tmp_path / "ckpt", "--log-format", "tqdm", "--max-epoch", "1", "--log-interval", "10",
+                          "--lr", "0.05")) == 0
+    inner_losses = [re.search(r"\| loss (\S+) \|", line).group(1)
+                    for line in capsys.readouterr().err.splitlines() if line.startswith("train_inner |")]
+    assert len(shown) == 13 and len(set(shown[:10])) == 10, shown  # a new value after each update
+    # The updates since the last train_inner line: at updates 10 and 13 (the epoch's end) the lines' own loss.
+    assert [shown[9], shown[12]] == [f"loss={loss}" for loss in inner_losses]
+
+
 FOUR_RANK_METRICS = {"loss": 2.302585, "accuracy": 11.25, "lr": 0.001, "gnorm": 1.234567, "clip": 0.0,
                      "ups": 12.345, "wps": 3456.78, "bsz": 64.0,
                      **{f"share{r}": 25.0 for r in range(4)}, **{f"sps{r}": 1234.5 + r for r in range(4)},
