@@ -1,5 +1,6 @@
 # The two commands of hetfair's README:
 #   make demo   set everything up, then train the MNIST example on Fashion-MNIST end to end
+#               (DEMO_FLAGS="--max-images 3000" adds flags to its hetfair-train, e.g. for a quick trial)
 #   make test   set everything up, then run the test suite (what .ci/run does)
 # "Everything" is a virtual environment in $(VENV) with torch (a CPU build unless an NVIDIA GPU
 # is present), hetfair and the example plugin (and, for make test, the test tools), plus the Debian
@@ -10,6 +11,7 @@ VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 DEMO_SAVE_DIR ?= checkpoints/demo
 DEMO_LOGDIR ?= runs/demo
+DEMO_FLAGS ?=
 PYTEST_ARGS ?= -q
 
 BIN := $(VENV)/bin
@@ -26,7 +28,7 @@ help:
 
 demo: setup demo-data
 	$(BIN)/hetfair-train --user-dir plugins --task mnist --dataset fashion-mnist --max-epoch 1 \
-	    --save-dir $(DEMO_SAVE_DIR) --tensorboard-logdir $(DEMO_LOGDIR)
+	    --save-dir $(DEMO_SAVE_DIR) --tensorboard-logdir $(DEMO_LOGDIR) $(DEMO_FLAGS)
 	$(BIN)/hetfair-validate --user-dir plugins --path $(DEMO_SAVE_DIR)/checkpoint_best.pt --valid-subset test
 	@echo
 	@echo "Checkpoints:     $(DEMO_SAVE_DIR)/checkpoint_best.pt and checkpoint_last.pt"
