@@ -5,12 +5,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import shlex
 import sys
 from pathlib import Path
 from typing import Sequence
 
-from hetfair.errors import ConfigError, UserDirNeededError
+from hetfair.errors import ConfigError
 from hetfair.evaluate import evaluate_checkpoint
 from hetfair.logging.progress import format_metrics
 from hetfair.utils import DefaultsHelpFormatter, absolute_path
@@ -51,22 +50,11 @@ def _main(argv: list[str]) -> int:
     overrides = {"data": args.data, "max_sentences_valid": args.max_sentences_valid,
                  "num_workers": args.num_workers, "cpu": args.cpu}
     results = evaluate_checkpoint(Path(args.path), args.valid_subset.split(","), overrides, user_dir=args.user_dir)
-    try:
-        with exit_when_reader_leaves(sys.stdout):  # `hetfair-validate ... | head -1` evaluates no further split
-            for subset, metrics in results:
-                line = json.dumps({"subset": subset, **metrics}) if args.json else f"{subset} | {format_metrics(metrics)}"
-                print(line, flush=True)
-    except UserDirNeededError as exc:
-        raise exc.with_rerun(shlex.join(["hetfair-validate", "--user-dir", _as_typed(exc.user_dir), *argv])) from exc
+    with exit_when_reader_leaves(sys.stdout):  # `hetfair-validate ... | head -1` evaluates no further split
+        for subset, metrics in results:
+            line = json.dumps({"subset": subset, **metrics}) if args.json else f"{subset} | {format_metrics(metrics)}"
+            print(line, flush=True)
     return 0
-
-
-def _as_typed(directory: str) -> str:
-    """``directory`` relative to the working directory when it lies inside it, as a user would type it."""
-    try:
-        return str(Path(directory).relative_to(Path.cwd().resolve()))
-    except ValueError:
-        return directory
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -82,6 +82,14 @@ def test_validate_from_another_directory_prints_the_command_that_works(trained, 
     assert '"subset": "valid"' in result.stdout
 
 
+def test_hetfair_export_prints_its_own_command_with_the_user_dir(trained, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "hetfair_cli.export", "--path", str(trained), "--to", "hf", "out"],
+                            cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.rstrip().endswith(
+        f"rerun with it, if you trust that code: hetfair-export --user-dir {TOY_PLUGIN} --path {trained} --to hf out")
+
+
 def test_the_command_printed_for_a_stored_user_dir_is_shell_quoted(trained, tmp_path):
     plugin = tmp_path / "plugins; touch pwned"  # a checkpoint is data: its strings may be anything
     checkpoint = with_config(trained, tmp_path / "c.pt", user_dir=str(plugin))
