@@ -18,7 +18,8 @@ from typing import Iterator, TextIO
 
 from hetfair_cli.errors import EXIT_BROKEN_PIPE
 
-_GONE = select.POLLERR | select.POLLHUP if hasattr(select, "poll") else 0
+_GONE = (select.POLLERR | select.POLLHUP) if hasattr(select, "poll") else 0
+"""What poll reports on the write end of a pipe whose readers have all closed it (0: no poll here)."""
 
 
 @contextmanager
