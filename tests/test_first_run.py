@@ -28,8 +28,9 @@ BUDGET = "--max-images 3000"
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
 needs_make_and_data = pytest.mark.skipif(
-    shutil.which("make") is None or not (FASHION_MNIST / "train-images-idx3-ubyte.gz").is_file(),
-    reason="make demo needs make and Debian's dataset-fashion-mnist",
+    shutil.which("make") is None or not (FASHION_MNIST / "train-images-idx3-ubyte.gz").is_file()
+    or not (VENV / "bin" / "hetfair-train").is_file(),
+    reason="make demo needs make, Debian's dataset-fashion-mnist and hetfair's console scripts beside this Python",
 )
 
 
