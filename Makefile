@@ -1,15 +1,17 @@
 # The two commands of hetfair's README:
 #   make demo   set everything up, then train the MNIST example on Fashion-MNIST end to end
+#               (DEMO_FLAGS="--max-images 3000" adds flags to its hetfair-train, e.g. for a quick trial)
 #   make test   set everything up, then run the test suite (what .ci/run does)
 # "Everything" is a virtual environment in $(VENV) with torch (a CPU build unless an NVIDIA GPU
-# is present), hetfair and the example plugin, plus the Debian data packages. Each step is
-# skipped when it is done already, so running either again is fast.
+# is present), hetfair and the example plugin (and, for make test, the test tools), plus the Debian
+# data packages. Each step is skipped when it is done already, so running either again is fast.
 
 PYTHON ?= python3
 VENV ?= .venv
 TORCH_VERSION ?= 2.13.0
 DEMO_SAVE_DIR ?= checkpoints/demo
 DEMO_LOGDIR ?= runs/demo
+DEMO_FLAGS ?=
 PYTEST_ARGS ?= -q
 
 BIN := $(VENV)/bin
@@ -26,15 +28,15 @@ help:
 
 demo: setup demo-data
 	$(BIN)/hetfair-train --user-dir plugins --task mnist --dataset fashion-mnist --max-epoch 1 \
-	    --save-dir $(DEMO_SAVE_DIR) --tensorboard-logdir $(DEMO_LOGDIR)
-	$(BIN)/hetfair-validate --path $(DEMO_SAVE_DIR)/checkpoint_best.pt --valid-subset test
+	    --save-dir $(DEMO_SAVE_DIR) --tensorboard-logdir $(DEMO_LOGDIR) $(DEMO_FLAGS)
+	$(BIN)/hetfair-validate --user-dir plugins --path $(DEMO_SAVE_DIR)/checkpoint_best.pt --valid-subset test
 	@echo
 	@echo "Checkpoints:     $(DEMO_SAVE_DIR)/checkpoint_best.pt and checkpoint_last.pt"
 	@echo "TensorBoard:     $(BIN)/tensorboard --logdir $(DEMO_LOGDIR)   then open http://localhost:6006"
 	@echo "                 (the CUSTOM SCALARS tab shows every rank's share and speed on one chart)"
 	@echo "The tools:       . $(BIN)/activate; hetfair-train --user-dir plugins --task mnist --help"
 
-test: setup test-data
+test: setup $(STAMPS)/test-tools test-data
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
 setup: $(STAMPS)/installed
@@ -56,5 +58,9 @@ $(STAMPS)/torch: | $(BIN)/python
 	@mkdir -p $(STAMPS) && touch $@
 
 $(STAMPS)/installed: $(STAMPS)/torch setup.cfg pyproject.toml plugins/hetfair_plugin_example/pyproject.toml
-	$(BIN)/python -m pip install --quiet -e ".[test]" -e plugins/hetfair_plugin_example
+	$(BIN)/python -m pip install --quiet -e . -e plugins/hetfair_plugin_example
+	@touch $@
+
+$(STAMPS)/test-tools: $(STAMPS)/installed
+	$(BIN)/python -m pip install --quiet -e ".[test]"
 	@touch $@

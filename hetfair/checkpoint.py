@@ -240,6 +240,11 @@ class CheckpointConfig:
         path = Path(self.restore_file)
         return path if path.is_absolute() else self.save_dir / path
 
+    def resumes(self) -> bool:
+        """Whether the run resumes from :meth:`restore_path` (when it exists): always from a named
+        ``--restore-file``, from the last checkpoint in ``--save-dir`` only when the run saves."""
+        return self.restore_file != DEFAULT_RESTORE_FILE or not self.no_save
+
 
 class Checkpointer:
     """Saves and restores the named stateful ``parts`` of a run; decides file names, prunes old files.
@@ -336,6 +341,8 @@ class Checkpointer:
         A part the checkpoint lacks (e.g. ``balance`` of a run without ``--auto-balance``)
         keeps its fresh state.
         """
+        if not self.config.resumes():
+            return None
         if self.is_master and self.config.save_dir.is_dir():
             remove_stale_temp_files(self.config.save_dir)
         path = self.config.restore_path()

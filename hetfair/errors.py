@@ -43,6 +43,20 @@ class CheckpointError(HetfairError):
     """A checkpoint is missing, corrupt or incompatible with the model."""
 
 
+class UserDirNeededError(CheckpointError):
+    """A checkpoint's components come from a ``--user-dir`` that was not given (it is never taken from the checkpoint)."""
+
+    def __init__(self, checkpoint: str, user_dir: str, reason: str, rerun: str = "") -> None:
+        fix = f"rerun with it, if you trust that code: {rerun}" if rerun else f"pass --user-dir {user_dir}"
+        super().__init__(f"checkpoint {checkpoint} was trained with --user-dir {user_dir}, which is not imported from "
+                         f"a checkpoint ({reason}); {fix}")
+        self.checkpoint, self.user_dir, self.reason = checkpoint, user_dir, reason
+
+    def with_rerun(self, command: str) -> "UserDirNeededError":
+        """The same error, ending with the exact ``command`` to run instead."""
+        return UserDirNeededError(self.checkpoint, self.user_dir, self.reason, command)
+
+
 class DistributedError(HetfairError):
     """Rendezvous failed, ranks disagree, or a rank died or timed out."""
 

@@ -8,7 +8,7 @@ the directory it was trained with, the error names that directory.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
@@ -17,9 +17,10 @@ from hetfair.pretrained import load_model
 from hetfair.validation import Validator
 
 
-def evaluate_checkpoint(path: Path, subset: str, overrides: dict[str, Any],
-                        user_dir: Optional[str] = None) -> dict[str, float]:
-    """Load the model of ``path`` (as :func:`hetfair.load_model`) and return its metrics on ``subset``."""
+def evaluate_checkpoint(path: Path, subsets: Sequence[str], overrides: dict[str, Any],
+                        user_dir: Optional[str] = None) -> Iterator[tuple[str, dict[str, float]]]:
+    """Load the model of ``path`` once (as :func:`hetfair.load_model`); yield ``(subset, metrics)`` for each of
+    ``subsets`` in turn, each as soon as it is computed."""
     loaded = load_model(path, user_dir=user_dir, overrides=overrides)
     options = loaded.options
     device = torch.device("cuda" if torch.cuda.is_available() and not options.cpu else "cpu")
@@ -27,5 +28,5 @@ def evaluate_checkpoint(path: Path, subset: str, overrides: dict[str, Any],
     batch_size = options.max_sentences_valid or options.max_sentences or 32
     validator = Validator(loaded.task, loaded.model.to(device), loaded.build_criterion().to(device), context,
                           [batch_size], options.num_workers)
-    return validator.metrics(subset)
-
+    for subset in subsets:
+        yield subset, validator.metrics(subset)

@@ -140,7 +140,8 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                        help="where checkpoints go")
     group.add_argument("--restore-file", default="checkpoint_last.pt", metavar="FILE",
                        help="checkpoint to resume from (relative to --save-dir unless absolute)")
-    group.add_argument("--no-save", action="store_true", help="write no checkpoints")
+    group.add_argument("--no-save", action="store_true",
+                       help="write no checkpoints, and resume from none unless --restore-file names one")
     group.add_argument("--save-interval", type=int, default=1, metavar="N", help="save every N epochs")
     group.add_argument("--save-interval-updates", type=int, default=0, metavar="N",
                        help="also save every N updates (0: off)")

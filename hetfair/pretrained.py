@@ -12,7 +12,7 @@ from torch import nn
 
 from hetfair.checkpoint import load_checkpoint, model_weights, stored_config
 from hetfair.criteria import HetfairCriterion
-from hetfair.errors import CheckpointError, ComponentNotKnownError, HetfairError, first_line
+from hetfair.errors import CheckpointError, ComponentNotKnownError, HetfairError, UserDirNeededError, first_line
 from hetfair.options import stored_options
 from hetfair.plugins import import_user_dir
 from hetfair.tasks import TASK_REGISTRY, Task
@@ -68,10 +68,7 @@ def _options(path: Path, state: dict[str, Any], user_dir: Optional[str | Path],
         return stored_options(config)
     except ComponentNotKnownError as exc:
         if trained_with and not config["user_dir"]:
-            raise CheckpointError(
-                f"checkpoint {path} was trained with --user-dir {trained_with}, which is not imported from a "
-                f"checkpoint ({str(exc).split(';')[0]}); pass --user-dir {trained_with}"
-            ) from exc
+            raise UserDirNeededError(str(path), trained_with, str(exc).split(";")[0]) from exc
         raise
 
 

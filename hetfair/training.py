@@ -272,14 +272,14 @@ class TrainingRun:
         result = self.trainer.train_step(update.micro_batches)
         seconds = self.stopwatch.lap()
         self.position.samples_done += update.global_samples
-        self.progress.step(len(update.micro_batches))
-        if result is None:
-            return
-        if self._shards_to_report and not result.skipped:
-            self._report_optimizer_shards()
-        self.interval.add(result, seconds)
-        self.epoch_stats.add(result, seconds)
-        self._rebalance(result)
+        if result is not None:
+            if self._shards_to_report and not result.skipped:
+                self._report_optimizer_shards()
+            self.interval.add(result, seconds)
+            self.epoch_stats.add(result, seconds)
+            self._rebalance(result)
+        # the bar's loss: of the updates since the last train_inner line, from the stats already synced
+        self.progress.step(len(update.micro_batches), self.interval.criterion_metrics)
 
     def _rebalance(self, result: UpdateResult) -> None:
         """Show the balancer this update's per-rank timings and log a new split."""
@@ -367,14 +367,22 @@ class TrainingRun:
         """Resume from the checkpoint, if any; say so, and which optimizer settings the command line changed."""
         path = self.checkpointer.restore()
         if path is None:
+            self._say_what_no_save_leaves_alone()
             return None
-        self.progress.log("restore", {"epoch": self.position.epoch, "samples_done": self.position.samples_done},
-                          self.position.epoch, self.trainer.num_updates)
+        self.progress.log("restore", {"samples_done": self.position.samples_done}, self.position.epoch,
+                          self.trainer.num_updates)
         changed = self.trainer.optimizer_overrides
         if changed:
             self._notice("restore | optimizer settings from the command line replace the checkpoint's: " + ", ".join(
                 f"{name} {new} (was {old})" for name, (old, new) in changed.items()))
         return path
+
+    def _say_what_no_save_leaves_alone(self) -> None:
+        config = self.checkpointer.config
+        last = config.restore_path()
+        if not config.resumes() and last.is_file():
+            self._notice(f"restore | not resuming from {last}: a --no-save run starts afresh "
+                         f"(--restore-file {last} resumes from it)")
 
     def _preemption_detail(self) -> str:
         saved = ("no checkpoint written (--no-save)" if self.checkpointer.config.no_save else

@@ -3,17 +3,20 @@
 from __future__ import annotations
 
 import os
+import shlex
 import sys
+from pathlib import Path
 from typing import Callable, Sequence
 
-from hetfair.errors import HetfairError, Interrupted
+from hetfair.errors import HetfairError, Interrupted, UserDirNeededError
 
 EXIT_BROKEN_PIPE = 141
 """What a shell reports for a process killed by SIGPIPE (128 + 13), as ``cmd | head -1`` ends ``cmd``."""
 
 
 def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[str] | None) -> int:
-    """Run ``main(argv)``; a :class:`HetfairError` prints ``prog: error: ...`` and returns its exit code.
+    """Run ``main(argv)``; a :class:`HetfairError` prints ``prog: error: ...`` and returns its exit code
+    (a missing ``--user-dir`` ends with the command to rerun: ``argv`` with that flag added).
 
     ``--debug`` in ``argv`` or ``HETFAIR_DEBUG=1`` re-raises it with its traceback. When
     the reader of standard output goes away (``prog ... | head -1``), the command
@@ -25,6 +28,8 @@ def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[s
     except HetfairError as exc:
         if "--debug" in args or os.environ.get("HETFAIR_DEBUG") == "1":
             raise
+        if isinstance(exc, UserDirNeededError):
+            exc = exc.with_rerun(shlex.join([prog, "--user-dir", _as_typed(exc.user_dir), *args]))
         message = str(exc).replace("\n", " ")
         kind = "" if isinstance(exc, Interrupted) else "error: "  # stopping on request is no error
         print(f"{prog}: {kind}{message}", file=sys.stderr)
@@ -35,6 +40,14 @@ def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[s
     except BrokenPipeError:
         _silence_stdout()
         return EXIT_BROKEN_PIPE
+
+
+def _as_typed(directory: str) -> str:
+    """``directory`` relative to the working directory when it lies inside it, as a user would type it."""
+    try:
+        return str(Path(directory).relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return directory
 
 
 def _silence_stdout() -> None:

@@ -14,6 +14,7 @@ from hetfair.evaluate import evaluate_checkpoint
 from hetfair.logging.progress import format_metrics
 from hetfair.utils import DefaultsHelpFormatter, absolute_path
 from hetfair_cli.errors import run_cli
+from hetfair_cli.reader_watch import exit_when_reader_leaves
 
 DESCRIPTION = """Report a checkpoint's metrics on one or more splits, computed as training validates.
 One line per split on standard output, numbers formatted as in training's progress output
@@ -48,12 +49,11 @@ def _main(argv: list[str]) -> int:
         raise ConfigError(f"--num-workers must be at least 0, got {args.num_workers}")
     overrides = {"data": args.data, "max_sentences_valid": args.max_sentences_valid,
                  "num_workers": args.num_workers, "cpu": args.cpu}
-    for subset in args.valid_subset.split(","):
-        metrics = evaluate_checkpoint(Path(args.path), subset, overrides, user_dir=args.user_dir)
-        if args.json:
-            print(json.dumps({"subset": subset, **metrics}), flush=True)
-        else:
-            print(f"{subset} | {format_metrics(metrics)}", flush=True)
+    results = evaluate_checkpoint(Path(args.path), args.valid_subset.split(","), overrides, user_dir=args.user_dir)
+    with exit_when_reader_leaves(sys.stdout):  # `hetfair-validate ... | head -1` evaluates no further split
+        for subset, metrics in results:
+            line = json.dumps({"subset": subset, **metrics}) if args.json else f"{subset} | {format_metrics(metrics)}"
+            print(line, flush=True)
     return 0
 
 

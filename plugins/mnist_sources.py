@@ -116,10 +116,17 @@ def _cache_problem(cache_dir: Path, dataset: ImageDataset) -> str:
 
 
 def _fix(dataset: ImageDataset, cache_dir: Path) -> str:
-    """What fixes a missing data set, as commands to run."""
-    sudo = "" if os.geteuid() == 0 else "sudo "
-    install = f"run `{sudo}apt-get install {OFFLINE_DATASET.system_package}`"
+    """What fixes a missing data set, as commands to run (nothing to install when the offline data set is)."""
+    own_files = (f"copy the four files {', '.join(dataset.sha256)} into {cache_dir} "
+                 f"(or pass --data DIR naming their directory)")
     if dataset is OFFLINE_DATASET:
-        return f"{install} (or pass --data DIR naming a directory with the four IDX files)"
-    return (f"{install} and train with --dataset {OFFLINE_DATASET.name} instead, or copy the four files "
-            f"{', '.join(dataset.sha256)} into {cache_dir} (or pass --data DIR naming their directory)")
+        return f"{_install_command()} (or pass --data DIR naming a directory with the four IDX files)"
+    if _system_copy_problem(OFFLINE_DATASET) is None:
+        return (f"train with --dataset {OFFLINE_DATASET.name} instead: {OFFLINE_DATASET.title} is installed "
+                f"in {OFFLINE_DATASET.system_dir}; or {own_files}")
+    return f"{_install_command()} and train with --dataset {OFFLINE_DATASET.name} instead, or {own_files}"
+
+
+def _install_command() -> str:
+    sudo = "" if os.geteuid() == 0 else "sudo "
+    return f"run `{sudo}apt-get install {OFFLINE_DATASET.system_package}`"

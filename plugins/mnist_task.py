@@ -17,16 +17,32 @@ from .mnist_data import ImageClassificationDataset, load_pair, pixel_stats
 from .mnist_sources import DATASETS, locate
 
 SPLITS = ("train", "valid", "test")
+HELD_OUT_SEED = 1998
+"""Seeds which training images are held out as ``valid``: fixed, so that every run (whatever its
+``--seed``) and ``hetfair-validate`` hold out the same ones."""
 logger = logging.getLogger(__name__)
+
+
+def valid_size(text: str) -> int | float:
+    """``--valid-size``: a number of images (``5000``, ``0`` for none) or a fraction of them (``0.1``)."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = -1.0
+    if value >= 0 and value.is_integer():
+        return int(value)
+    if 0 < value < 1:
+        return value
+    raise argparse.ArgumentTypeError(f"'{text}' is neither a number of images nor a fraction between 0 and 1")
 
 
 @register_task("mnist")
 class MnistTask(Task):
-    """Classify MNIST-style digits or clothes; ``valid`` and ``test`` are the t10k files.
+    """Classify MNIST-style digits or clothes: ``--valid-size`` training images are held out as ``valid``
+    (at random, the same ones in every run), ``test`` is the t10k files.
 
     Without ``--data``, ``--dataset`` (MNIST or Fashion-MNIST) is looked up in the
     cache, then in the system copy, then downloaded (see :mod:`.mnist_sources`).
-    With ``--valid-size N`` the last N training images become ``valid`` instead.
     """
 
     option_defaults: ClassVar[dict[str, Any]] = {
@@ -50,9 +66,13 @@ class MnistTask(Task):
         parser.add_argument("--mnist-mirror", action="append", metavar="URL",
                             help="download from URL (a directory holding the four .gz files; repeatable) "
                                  "instead of the data set's own mirrors")
-        parser.add_argument("--valid-size", type=int, default=0, metavar="N",
-                            help="hold out the last N training images as the 'valid' split "
-                                 "(default 0: 'valid' and 'test' are both the t10k files)")
+        parser.add_argument("--valid-size", type=valid_size, default=0.1, metavar="N",
+                            help="hold out N training images (or a fraction of them, such as 0.1), chosen at random "
+                                 "but the same in every run, as the 'valid' split that picks checkpoint_best.pt; "
+                                 "'test' is the t10k files (0: 'valid' is the t10k files too) (default: %(default)s)")
+        parser.add_argument("--max-images", type=int, default=0, metavar="N",
+                            help="use only the first N images of each split, for a quick trial run "
+                                 "(default 0: all of them)")
         parser.add_argument("--no-normalize", action="store_true",
                             help="scale pixels to [0, 1] only, instead of standardising them with the "
                                  "mean and std of the training images")
@@ -71,16 +91,32 @@ class MnistTask(Task):
         return ImageClassificationDataset(images, labels, mean, std)
 
     def _split_arrays(self, split: str) -> tuple[np.ndarray, np.ndarray]:
-        """Images and labels of ``split``, carving ``--valid-size`` off the end of the train files."""
+        """Images and labels of ``split``: its first ``--max-images`` ones, if given."""
+        limit = self.args.max_images
+        if limit < 0:
+            raise DataError(f"--max-images must be at least 0 (0: all images), got {limit}")
+        images, labels = self._whole_split(split)
+        return (images[:limit], labels[:limit]) if limit else (images, labels)
+
+    def _whole_split(self, split: str) -> tuple[np.ndarray, np.ndarray]:
+        """``test`` is the t10k files; ``valid`` the ``--valid-size`` held-out training images, ``train`` the rest."""
         if split == "test" or (split == "valid" and self.args.valid_size == 0):
             return self._file_pair("t10k")
         images, labels = self._file_pair("train")
-        held_out = self.args.valid_size
-        if not 0 <= held_out < len(images):
-            raise DataError(f"--valid-size must be in 0..{len(images) - 1} "
-                            f"(the train files hold {len(images)} images), got {held_out}")
-        cut = len(images) - held_out
-        return (images[cut:], labels[cut:]) if split == "valid" else (images[:cut], labels[:cut])
+        held_out = self._held_out(len(images))
+        keep = held_out if split == "valid" else ~held_out
+        return images[keep], labels[keep]
+
+    def _held_out(self, count: int) -> np.ndarray:
+        """Which of ``count`` training images are ``valid``: ``--valid-size`` of them, the same in every run."""
+        given = self.args.valid_size
+        size = round(given * count) if isinstance(given, float) else given
+        if not 0 <= size < count:
+            raise DataError(f"--valid-size {given} holds out {size} of the {count} training images; "
+                            f"it must leave some to train on")
+        mask = np.zeros(count, dtype=bool)
+        mask[np.random.default_rng(HELD_OUT_SEED).permutation(count)[:size]] = True
+        return mask
 
     def _file_pair(self, prefix: str) -> tuple[np.ndarray, np.ndarray]:
         if prefix not in self._arrays:

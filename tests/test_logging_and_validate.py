@@ -161,6 +161,24 @@ def test_validate_prints_what_training_printed_for_the_same_checkpoint(tmp_path,
     assert out == f"valid | {metrics}"
 
 
+def test_the_bars_loss_moves_with_every_update(tmp_path, capsys, monkeypatch):
+    shown: list[str] = []
+    step = Progress.step
+
+    def recording_step(progress: Progress, *args, **kwargs) -> None:
+        step(progress, *args, **kwargs)
+        shown.append(progress._bar.postfix)
+
+    monkeypatch.setattr(Progress, "step", recording_step)
+    assert train_main(toy(tmp_path / "ckpt", "--log-format", "tqdm", "--max-epoch", "1", "--log-interval", "10",
+                          "--lr", "0.05")) == 0
+    inner_losses = [re.search(r"\| loss (\S+) \|", line).group(1)
+                    for line in capsys.readouterr().err.splitlines() if line.startswith("train_inner |")]
+    assert len(shown) == 13 and len(set(shown[:10])) == 10, shown  # a new value after each update
+    # The updates since the last train_inner line: at updates 10 and 13 (the epoch's end) the lines' own loss.
+    assert [shown[9], shown[12]] == [f"loss={loss}" for loss in inner_losses]
+
+
 FOUR_RANK_METRICS = {"loss": 2.302585, "accuracy": 11.25, "lr": 0.001, "gnorm": 1.234567, "clip": 0.0,
                      "ups": 12.345, "wps": 3456.78, "bsz": 64.0,
                      **{f"share{r}": 25.0 for r in range(4)}, **{f"sps{r}": 1234.5 + r for r in range(4)},
@@ -253,3 +271,25 @@ def test_validate_into_a_closed_pipe_ends_quietly(tmp_path):
         os.close(writer)
     assert "Traceback" not in result.stderr and "BrokenPipeError" not in result.stderr, result.stderr
     assert result.returncode == 141
+
+
+def test_validate_evaluates_no_further_split_once_its_reader_has_gone(tmp_path):
+    save_dir, pause = tmp_path / "ckpt", tmp_path / "pause"
+    assert train_main(toy(save_dir, "--log-format", "none", "--max-epoch", "1", "--toy-held-split", "held",
+                          "--toy-pause-file", str(pause))) == 0
+    pause.touch()  # loading the split 'held' now waits until the file is gone
+    process = subprocess.Popen(validate_command("--path", str(save_dir / "checkpoint_last.pt"), "--valid-subset",
+                                                "valid,held", "--user-dir", str(TOY_PLUGIN)),
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert process.stdout.readline().startswith("valid | loss ")
+        process.stdout.close()  # what `| head -1` does once it has its line
+        try:
+            returncode = process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            returncode = None  # still waiting to evaluate 'held', for nobody
+    finally:
+        pause.unlink()
+        stderr = process.communicate(timeout=120)[1]
+    assert returncode == 141, f"hetfair-validate went on to the next split after its reader had gone: {stderr}"
+    assert stderr == ""

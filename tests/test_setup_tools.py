@@ -69,14 +69,26 @@ def test_an_installed_torch_is_kept(capsys):
     assert capsys.readouterr().out == f"torch {torch.__version__} is already installed; keeping it\n"
 
 
-@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
-def test_the_makefile_wires_both_commands_to_the_set_up():
-    dry_run = subprocess.run(["make", "-n", "-B", "demo", "test", "VENV=/nonexistent-venv"], cwd=REPO_ROOT,
+def make_dry_run(*targets: str) -> str:
+    """The commands ``make`` would run for ``targets`` on a machine where nothing is set up yet."""
+    dry_run = subprocess.run(["make", "-n", "-B", *targets, "VENV=/nonexistent-venv"], cwd=REPO_ROOT,
                              capture_output=True, text=True, check=False)
     assert dry_run.returncode == 0, dry_run.stderr
-    commands = dry_run.stdout
+    return dry_run.stdout
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_the_makefile_wires_both_commands_to_the_set_up():
+    commands = make_dry_run("demo", "test")
     assert "tools/install_torch.py /nonexistent-venv/bin/python 2.13.0" in commands
-    assert "pip install --quiet -e \".[test]\" -e plugins/hetfair_plugin_example" in commands
+    assert "pip install --quiet -e . -e plugins/hetfair_plugin_example" in commands
+    assert "pip install --quiet -e \".[test]\"" in commands
     assert "tools/install_debian_packages.sh dataset-fashion-mnist jargon-text" in commands
-    assert "hetfair-train --user-dir plugins --task mnist --dataset fashion-mnist" in commands
-    assert "/nonexistent-venv/bin/python -m pytest" in commands
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
+def test_make_demo_installs_what_the_demo_needs_and_no_test_tools():
+    commands = make_dry_run("demo")
+    assert "pip install --quiet -e . -e plugins/hetfair_plugin_example" in commands
+    assert ".[test]" not in commands and "jargon-text" not in commands
+    assert "tools/install_debian_packages.sh dataset-fashion-mnist" in commands

@@ -227,6 +227,32 @@ def test_resume_with_the_same_optimizer_settings_says_nothing_about_them(tmp_pat
     assert "optimizer settings" not in capsys.readouterr().err
 
 
+def test_a_no_save_run_starts_afresh_beside_a_checkpoint_and_says_so(tmp_path, capsys):
+    save_dir = tmp_path / "ckpt"
+    assert train_main(toy_args(save_dir, "--max-update", "5")) == 0
+    written = (save_dir / "checkpoint_last.pt").read_bytes()
+    capsys.readouterr()
+    assert train_main(toy_args(save_dir, "--max-update", "3", "--no-save", "--arch", "toy_mlp_wide",
+                               "--log-format", "simple")) == 0  # another model: resuming would fail
+    lines = capsys.readouterr().err.splitlines()
+    last = save_dir / "checkpoint_last.pt"
+    assert f"restore | not resuming from {last}: a --no-save run starts afresh (--restore-file {last} resumes " \
+           f"from it)" in lines
+    assert any(line.startswith("done | num_updates 3 |") for line in lines)
+    assert last.read_bytes() == written
+
+
+def test_a_no_save_run_resumes_from_a_named_restore_file(tmp_path, capsys):
+    save_dir = tmp_path / "ckpt"
+    assert train_main(toy_args(save_dir, "--max-update", "5")) == 0
+    capsys.readouterr()
+    assert train_main(toy_args(save_dir, "--max-update", "8", "--no-save", "--log-format", "simple",
+                               "--restore-file", str(save_dir / "checkpoint_last.pt"))) == 0
+    lines = capsys.readouterr().err.splitlines()
+    assert "restore | epoch 001 | num_updates 5 | samples_done 80" in lines  # the epoch once
+    assert any(line.startswith("done | num_updates 8 |") for line in lines)
+
+
 def test_missing_restore_file_is_one_clear_error(tmp_path, capsys):
     code = train_main(toy_args(tmp_path / "c", "--max-epoch", "1", "--restore-file", "nope.pt"))
     err = capsys.readouterr().err

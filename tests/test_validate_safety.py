@@ -7,6 +7,7 @@ whose options do not build its model, or a file that is no checkpoint, is one er
 from __future__ import annotations
 
 import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -64,17 +65,38 @@ def test_a_user_dir_named_in_the_checkpoint_is_never_imported(trained, tmp_path)
     assert result.returncode == 2, result.stderr
     assert result.stderr.strip().splitlines() == [
         f"hetfair-validate: error: checkpoint {checkpoint} was trained with --user-dir {plugin}, which is not "
-        f"imported from a checkpoint (unknown task 'toy'); pass --user-dir {plugin}"]
+        f"imported from a checkpoint (unknown task 'toy'); rerun with it, if you trust that code: "
+        f"hetfair-validate --user-dir untrusted_plugin --path {checkpoint} --json"]
 
 
-def test_validate_from_another_directory_asks_for_the_stored_user_dir(trained, tmp_path):
+def test_validate_from_another_directory_prints_the_command_that_works(trained, tmp_path):
     result = validate(trained, cwd=tmp_path)
     assert result.returncode == 2
     [line] = result.stderr.strip().splitlines()
-    assert line.endswith(f"pass --user-dir {TOY_PLUGIN}")
-    result = validate(trained, "--user-dir", str(TOY_PLUGIN), cwd=tmp_path)
+    rerun = f"hetfair-validate --user-dir {TOY_PLUGIN} --path {trained} --json"
+    assert line.endswith(f"rerun with it, if you trust that code: {rerun}")
+    program, *arguments = shlex.split(rerun)  # the console script, as the user would run it
+    result = subprocess.run([str(Path(sys.executable).parent / program), *arguments], cwd=tmp_path,
+                            env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert '"subset": "valid"' in result.stdout
+
+
+def test_hetfair_export_prints_its_own_command_with_the_user_dir(trained, tmp_path):
+    result = subprocess.run([sys.executable, "-m", "hetfair_cli.export", "--path", str(trained), "--to", "hf", "out"],
+                            cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 2
+    assert result.stderr.rstrip().endswith(
+        f"rerun with it, if you trust that code: hetfair-export --user-dir {TOY_PLUGIN} --path {trained} --to hf out")
+
+
+def test_the_command_printed_for_a_stored_user_dir_is_shell_quoted(trained, tmp_path):
+    plugin = tmp_path / "plugins; touch pwned"  # a checkpoint is data: its strings may be anything
+    checkpoint = with_config(trained, tmp_path / "c.pt", user_dir=str(plugin))
+    result = validate(checkpoint, cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.rstrip().endswith(
+        f"hetfair-validate --user-dir 'plugins; touch pwned' --path {checkpoint} --json")
 
 
 @pytest.mark.parametrize("changes, message", [

@@ -72,6 +72,10 @@ class IntervalStats:
         self.clipped += int(result.clipped)
         self.lr = result.lr
 
+    def criterion_metrics(self) -> dict[str, float]:
+        """Only the criterion's metrics (loss, accuracy ...) of the interval so far: cheap enough for every update."""
+        return dict(self.reduce_metrics(self.totals)) if self.updates else {}
+
     def metrics(self) -> dict[str, float]:
         """The metrics of the interval so far (empty when no update happened)."""
         scaling = {} if self.loss_scale is None else {"loss_scale": self.loss_scale, "skipped": float(self.skipped)}

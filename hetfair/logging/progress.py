@@ -14,7 +14,7 @@ import logging
 import re
 import sys
 from contextlib import contextmanager
-from typing import Iterator, Mapping, Optional, TextIO
+from typing import Callable, Iterator, Mapping, Optional, TextIO
 
 from tqdm import tqdm
 
@@ -32,7 +32,8 @@ DECIMALS: dict[str, int] = {
 """Decimals per metric (a trailing rank number is ignored: ``share3`` is ``share``); others get 3."""
 
 BAR_POSTFIX = ("loss",)
-"""The metrics the tqdm bar shows beside itself; the full ``train_inner`` lines print above it."""
+"""The metrics the tqdm bar shows beside itself, of the updates since the last ``train_inner`` line
+(printed in full above it)."""
 
 
 def _decimals(name: str) -> int:
@@ -71,9 +72,16 @@ class Progress:
             self._bar = tqdm(total=total_steps, initial=start_step, desc=f"epoch {epoch:03d}",
                              file=self.stream, leave=False, dynamic_ncols=True)
 
-    def step(self, steps: int = 1) -> None:
-        if self._bar is not None:
-            self._bar.update(steps)
+    def step(self, steps: int = 1, metrics: Optional[Callable[[], Mapping[str, float]]] = None) -> None:
+        """Move the bar on by ``steps``; beside it go the :data:`BAR_POSTFIX` entries of ``metrics()``
+        (called only when a bar is shown)."""
+        if self._bar is None:
+            return
+        if metrics is not None:
+            current = metrics()
+            self._bar.set_postfix({k: format_metric(k, current[k]) for k in BAR_POSTFIX if k in current},
+                                  refresh=False)
+        self._bar.update(steps)
 
     def end_epoch(self) -> None:
         if self._bar is not None:
@@ -88,9 +96,6 @@ class Progress:
             record = {"phase": phase, "epoch": epoch, "num_updates": num_updates, **metrics}
             self._write(json.dumps(record, sort_keys=False))
             return
-        if self._bar is not None and phase == "train_inner":
-            self._bar.set_postfix({k: format_metric(k, metrics[k]) for k in BAR_POSTFIX if k in metrics},
-                                  refresh=False)
         self._write(f"{phase} | epoch {epoch:03d} | num_updates {num_updates} | {format_metrics(metrics)}")
 
     def info(self, line: str) -> None:

@@ -29,8 +29,14 @@ class ToyTask(Task):
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--toy-train-size", type=int, default=200)
+        parser.add_argument("--toy-held-split", metavar="SPLIT",
+                            help="loading SPLIT waits while --toy-pause-file exists (a test holds an evaluation there)")
 
     def load_dataset(self, split: str) -> Blobs:
+        pause_file = getattr(self.args, "toy_pause_file", None)  # the model's flag
+        if split == self.args.toy_held_split and pause_file:
+            while Path(pause_file).exists():
+                time.sleep(0.02)
         return blobs_split(split, self.args.toy_train_size)
 
 
