@@ -40,6 +40,7 @@ from hetfair.distributed.agent_store import fresh_store, join_warning, uses_agen
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.check_in import check_in
 from hetfair.distributed.per_process import check_counts, for_process
+from hetfair.distributed.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded
 from hetfair.distributed.rendezvous import (
     create_store,
     job_secret,
@@ -220,21 +221,30 @@ def _leave_group() -> None:
 
 
 def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan, device: torch.device) -> DistributedContext:
-    """Meet the other ranks and build the process group, in at most ``--distributed-timeout`` (+ grace)."""
+    """Meet the other ranks and build the process group, in at most ``--distributed-timeout`` (+ grace).
+
+    torch's C++ log lines of the meeting are discarded unless ``--debug`` or the user's own
+    ``TORCH_CPP_LOG_LEVEL`` asks for them (see :mod:`hetfair.distributed.native_output`): what goes
+    wrong is this command's one error line.
+    """
     rank = plan.base_rank + index
-    local_rank = plan.local_rank_offset + index
     backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
-    timeout = args.distributed_timeout
-    assert plan.init_method is not None
     if plan.local_only and backend == "gloo":
         os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # unreachable from other machines
-    pg_timeout = timedelta(seconds=timeout)
+    with native_stderr_discarded(enabled=not args.debug and CPP_LOG_LEVEL_ENV not in os.environ):
+        _form_group(rank, backend, args.distributed_timeout, plan)
+    return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=plan.local_rank_offset + index,
+                              device=device)
+
+
+def _form_group(rank: int, backend: str, timeout: float, plan: LaunchPlan) -> None:
+    assert plan.init_method is not None
     limit = timeout + _RENDEZVOUS_GRACE_SECONDS  # the waits inside end first; these deadlines catch C++ hangs
     if plan.use_env_store and not uses_agent_store(os.environ):
         with deadline(limit, f"rank {rank} could not join the process group through env:// within {timeout:.0f}s"):
             dist.init_process_group(backend, init_method="env://", rank=rank, world_size=plan.world_size,
-                                    timeout=pg_timeout)
-        return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=local_rank, device=device)
+                                    timeout=timedelta(seconds=timeout))
+        return
     if plan.use_env_store:  # torchrun's shared store: find this start's own through it
         warning = join_warning(os.environ)
         if warning and rank == 0:
@@ -250,8 +260,7 @@ def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan, device: 
     with deadline(limit, f"rank {rank} checked in but the process group did not form within {timeout:.0f}s"):
         check_in(store, rank, plan.world_size, timeout, plan.secret)
         dist.init_process_group(backend, store=dist.PrefixStore("hetfair/pg", store), rank=rank,
-                                world_size=plan.world_size, timeout=pg_timeout)
-    return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=local_rank, device=device)
+                                world_size=plan.world_size, timeout=timedelta(seconds=timeout))
 
 
 def _device_for(args: argparse.Namespace, plan: LaunchPlan, index: int) -> torch.device:
