@@ -1,5 +1,8 @@
-"""A tcp:// rendezvous that cannot work is one error line, soon: a port where another program listens.
-torch's C++ retries and stack frames stay off the terminal. The listeners are on 127.0.0.1.
+"""A tcp:// rendezvous that cannot work is one error line, soon: a host that does not resolve, a port where
+another program listens. torch's C++ retries and stack frames stay off the terminal.
+
+The listeners are on 127.0.0.1; the host name is resolved inside a network namespace without a
+name server, so no query leaves the machine.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import pytest
 
 from helpers import TOY_PLUGIN, rank_flags, subprocess_env, train_command
 from hetfair.distributed.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded
+from hetfair.distributed.rendezvous import SECRET_ENV
 
 _SLOW_START_SECONDS = 30  # interpreter and torch start-up on a loaded machine
 
@@ -30,6 +34,18 @@ def rank1_command(init: str, timeout: float, tmp_path) -> list[str]:
     return train_command("--user-dir", str(TOY_PLUGIN), "--task", "toy", "--max-epoch", "1",
                          "--save-dir", str(tmp_path / "c"), "--log-format", "none", *rank_flags(1, 2, init),
                          "--distributed-timeout", str(timeout))
+
+
+def test_a_host_that_does_not_resolve_fails_at_once_naming_it(make_network, tmp_path):
+    host = make_network(1, etc={"hosts": "127.0.0.1 localhost\n", "resolv.conf": ""}).hosts[0]
+    began = time.monotonic()
+    result = subprocess.run(host.command(*rank1_command("tcp://node-a.invalid:29500", 600, tmp_path)),
+                            cwd=tmp_path, env={**quiet_env(), SECRET_ENV: "the job's secret"},
+                            capture_output=True, text=True, timeout=60)
+    assert time.monotonic() - began < _SLOW_START_SECONDS  # not the 600 s --distributed-timeout
+    assert result.returncode == 2
+    [line] = result.stderr.splitlines()
+    assert line.startswith("hetfair-train: error: cannot resolve the rendezvous host node-a.invalid ("), line
 
 
 def _serve(server: socket.socket, behaviour: str, held: list[socket.socket]) -> None:
