@@ -167,7 +167,8 @@ def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
 
 @contextmanager
 def _rendezvous_for(plan: LaunchPlan, args: argparse.Namespace) -> Iterator[LaunchPlan]:
-    """The plan with its store and secret: a private file store for a one-command job (removed after)."""
+    """The plan with its store, secret and network interface: a private file store for a one-command job
+    (removed after)."""
     if plan.init_method is not None:
         address = parse_init_method(plan.init_method, os.environ)
         interface = choose_interface(args.distributed_interface, address)  # a host that does not resolve ends here
@@ -262,6 +263,8 @@ def _init_process_group(backend: str, rank: int, plan: LaunchPlan, timeout: floa
         dist.init_process_group(backend, rank=rank, world_size=plan.world_size, timeout=timedelta(seconds=timeout),
                                 **rendezvous)
     except (RuntimeError, dist.DistBackendError) as exc:
+        if not _looks_like_lost_peer(exc):
+            raise
         raise DistributedError(
             f"rank {rank} could not connect to the other ranks over {backend} ({first_line(exc)}); "
             f"{_interface_hint(plan)}"
