@@ -7,6 +7,7 @@ addresses on a cluster's network.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 import subprocess
@@ -16,7 +17,13 @@ import torch
 
 from helpers import TOY_PLUGIN, final_parameters, rank_flags, subprocess_env, train_command
 from hetfair.distributed.native_output import CPP_LOG_LEVEL_ENV
-from hetfair.distributed.network import GLOO_INTERFACE_ENV, NCCL_INTERFACE_ENV, use_interface
+from hetfair.distributed.network import (
+    GLOO_INTERFACE_ENV,
+    NCCL_INTERFACE_ENV,
+    interface_addresses,
+    interface_towards,
+    use_interface,
+)
 from hetfair.distributed.rendezvous import SECRET_ENV
 from hetfair_cli.train import main as train_main
 from toy_reference import assert_same, reference_parameters, toy_train_args
@@ -80,6 +87,13 @@ def test_an_unknown_interface_is_one_line(tmp_path, capsys):
     assert code == 2
     assert line.startswith("hetfair-train: error: --distributed-interface no-such-nic0: this machine has no "
                            "network interface of that name; it has lo")
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "::1"])
+def test_the_way_to_a_loopback_address_is_the_loopback_interface(address):
+    if ipaddress.ip_address(address) not in {held for _, held in interface_addresses()}:
+        pytest.skip(f"this machine has no {address}")
+    assert interface_towards(address, "localhost") == "lo"
 
 
 @pytest.mark.parametrize("device, expected", [("cpu", {GLOO_INTERFACE_ENV: "eth1"}),

@@ -67,3 +67,8 @@ def test_a_failed_creation_removes_what_it_made():
     with pytest.raises(RuntimeError, match="netns add"):
         network.create()
     assert not any(name in _names() for name in (network.switch, network.hosts[0].namespace))
+
+
+def test_without_root_the_reason_is_one_line(monkeypatch):
+    monkeypatch.setattr("os.geteuid", lambda: 1000)
+    assert unavailable.__wrapped__() == "network namespaces need root"
