@@ -179,6 +179,9 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                        help="collective backend (default: nccl on GPUs, gloo on CPU)")
     group.add_argument("--distributed-port", type=int, default=0, metavar="PORT",
                        help="port for SLURM rendezvous")
+    group.add_argument("--distributed-interface", metavar="NAME",
+                       help="network interface that reaches the other nodes, for gloo and NCCL (default: the one "
+                            "towards the rendezvous host; overrides GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME)")
     group.add_argument("--distributed-secret", metavar="SECRET",
                        help="shared secret that signs the ranks' check-in (default: $HETFAIR_SECRET; needed "
                             "when the rendezvous is reachable from other machines; never stored in checkpoints)")

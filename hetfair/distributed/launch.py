@@ -40,13 +40,9 @@ from hetfair.distributed.agent_store import fresh_store, join_warning, uses_agen
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.check_in import check_in
 from hetfair.distributed.per_process import check_counts, for_process
-from hetfair.distributed.rendezvous import (
-    create_store,
-    job_secret,
-    loopback_interface,
-    parse_init_method,
-    private_secret,
-)
+from hetfair.distributed.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded
+from hetfair.distributed.network import choose_interface, use_interface
+from hetfair.distributed.rendezvous import create_store, job_secret, parse_init_method, private_secret
 from hetfair.distributed.slurm import first_host, in_slurm_job, tasks_on_this_node
 from hetfair.distributed.preemption import preemptible
 from hetfair.distributed.supervisor import deadline, exit_with_parent, run_workers
@@ -72,8 +68,9 @@ class LaunchPlan:
     use_env_store: bool = False
     secret: Optional[bytes] = None
     """Signs the check-in (see :mod:`hetfair.distributed.rendezvous`); never stored in checkpoints."""
-    local_only: bool = False
-    """Every rank runs on this machine: gloo listens on the loopback interface only."""
+    interface: Optional[str] = None
+    """The network interface gloo (and NCCL) use here: the loopback interface when every rank runs on this
+    machine, else the one towards the rendezvous host (see :mod:`hetfair.distributed.network`)."""
     node_processes: int = 0
     """Under torchrun, or SLURM with one task per process: the node's processes (``LOCAL_WORLD_SIZE``, the
     node's tasks), whose per-process lists are indexed by local rank; 0 when the lists hold one value per
@@ -170,19 +167,20 @@ def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
 
 @contextmanager
 def _rendezvous_for(plan: LaunchPlan, args: argparse.Namespace) -> Iterator[LaunchPlan]:
-    """The plan with its store and secret: a private file store for a one-command job (removed after)."""
+    """The plan with its store, secret and network interface: a private file store for a one-command job
+    (removed after)."""
     if plan.init_method is not None:
-        if plan.use_env_store:
-            yield plan
-            return
         address = parse_init_method(plan.init_method, os.environ)
-        yield replace(plan, secret=job_secret(args.distributed_secret, address, os.environ),
-                      local_only=address.is_loopback)
+        interface = choose_interface(args.distributed_interface, address)  # a host that does not resolve ends here
+        if plan.use_env_store:
+            yield replace(plan, interface=interface)
+            return
+        yield replace(plan, secret=job_secret(args.distributed_secret, address, os.environ), interface=interface)
         return
     directory = tempfile.mkdtemp(prefix="hetfair-rendezvous-")  # mode 0700: this user only
     try:
         yield replace(plan, init_method=f"file://{directory}/store", secret=private_secret().encode(),
-                      local_only=True)
+                      interface=choose_interface(args.distributed_interface, None))
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
@@ -220,21 +218,28 @@ def _leave_group() -> None:
 
 
 def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan, device: torch.device) -> DistributedContext:
-    """Meet the other ranks and build the process group, in at most ``--distributed-timeout`` (+ grace)."""
+    """Meet the other ranks and build the process group, in at most ``--distributed-timeout`` (+ grace).
+
+    torch's C++ log lines of the meeting are discarded unless ``--debug`` or the user's own
+    ``TORCH_CPP_LOG_LEVEL`` asks for them (see :mod:`hetfair.distributed.native_output`): what goes
+    wrong is this command's one error line.
+    """
     rank = plan.base_rank + index
-    local_rank = plan.local_rank_offset + index
     backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
-    timeout = args.distributed_timeout
+    use_interface(plan.interface, device, override=args.distributed_interface is not None)
+    with native_stderr_discarded(enabled=not args.debug and CPP_LOG_LEVEL_ENV not in os.environ):
+        _form_group(rank, backend, args.distributed_timeout, plan)
+    return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=plan.local_rank_offset + index,
+                              device=device)
+
+
+def _form_group(rank: int, backend: str, timeout: float, plan: LaunchPlan) -> None:
     assert plan.init_method is not None
-    if plan.local_only and backend == "gloo":
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", loopback_interface())  # unreachable from other machines
-    pg_timeout = timedelta(seconds=timeout)
     limit = timeout + _RENDEZVOUS_GRACE_SECONDS  # the waits inside end first; these deadlines catch C++ hangs
     if plan.use_env_store and not uses_agent_store(os.environ):
         with deadline(limit, f"rank {rank} could not join the process group through env:// within {timeout:.0f}s"):
-            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=plan.world_size,
-                                    timeout=pg_timeout)
-        return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=local_rank, device=device)
+            _init_process_group(backend, rank, plan, timeout, init_method="env://")
+        return
     if plan.use_env_store:  # torchrun's shared store: find this start's own through it
         warning = join_warning(os.environ)
         if warning and rank == 0:
@@ -247,11 +252,28 @@ def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan, device: 
                              f"{timeout:.0f}s; check that it is rank 0's address and that no other program "
                              f"listens there"):
             store = create_store(address, rank, plan.world_size, timeout)
-    with deadline(limit, f"rank {rank} checked in but the process group did not form within {timeout:.0f}s"):
+    with deadline(limit, f"rank {rank} checked in but the process group did not form within {timeout:.0f}s; "
+                         f"{_interface_hint(plan)}"):
         check_in(store, rank, plan.world_size, timeout, plan.secret)
-        dist.init_process_group(backend, store=dist.PrefixStore("hetfair/pg", store), rank=rank,
-                                world_size=plan.world_size, timeout=pg_timeout)
-    return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=local_rank, device=device)
+        _init_process_group(backend, rank, plan, timeout, store=dist.PrefixStore("hetfair/pg", store))
+
+
+def _init_process_group(backend: str, rank: int, plan: LaunchPlan, timeout: float, **rendezvous: object) -> None:
+    try:
+        dist.init_process_group(backend, rank=rank, world_size=plan.world_size, timeout=timedelta(seconds=timeout),
+                                **rendezvous)
+    except (RuntimeError, dist.DistBackendError) as exc:
+        if not _looks_like_lost_peer(exc):
+            raise
+        raise DistributedError(
+            f"rank {rank} could not connect to the other ranks over {backend} ({first_line(exc)}); "
+            f"{_interface_hint(plan)}"
+        ) from exc
+
+
+def _interface_hint(plan: LaunchPlan) -> str:
+    return (f"give every node's command --distributed-interface with the network interface that reaches the "
+            f"others (this node used {plan.interface or 'the default'})")
 
 
 def _device_for(args: argparse.Namespace, plan: LaunchPlan, index: int) -> torch.device:

@@ -131,8 +131,9 @@ def create_store(address: StoreAddress, rank: int, world_size: int, timeout: flo
                              timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
     except (RuntimeError, OSError) as exc:
         role = "listen on" if rank == 0 else "reach rank 0 at"
+        hint = "" if rank == 0 else "; check that it is rank 0's address and that no other program listens there"
         raise DistributedError(
-            f"rank {rank} could not {role} {address.host}:{address.port}: {first_line(exc)}"
+            f"rank {rank} could not {role} {address.host}:{address.port}: {first_line(exc)}{hint}"
         ) from exc
 
 

@@ -1,0 +1,107 @@
+"""Nodes on separate hosts of a real network: network namespaces joined by a bridge (see netns.py).
+
+Each host maps the machine's hostname to 127.0.0.1, as many ``/etc/hosts`` do, which is
+what gloo binds to by default; reverse lookups fail there (no name server), as for most
+addresses on a cluster's network.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import socket
+import subprocess
+
+import pytest
+import torch
+
+from helpers import TOY_PLUGIN, final_parameters, rank_flags, subprocess_env, train_command
+from hetfair.distributed.native_output import CPP_LOG_LEVEL_ENV
+from hetfair.distributed.network import (
+    GLOO_INTERFACE_ENV,
+    NCCL_INTERFACE_ENV,
+    interface_addresses,
+    interface_towards,
+    use_interface,
+)
+from hetfair.distributed.rendezvous import SECRET_ENV
+from hetfair_cli.train import main as train_main
+from toy_reference import assert_same, reference_parameters, toy_train_args
+
+HOSTNAME_MEANS_LOOPBACK = {"hosts": f"127.0.0.1 localhost\n127.0.0.1 {socket.gethostname()}\n", "resolv.conf": ""}
+
+
+def node_env() -> dict[str, str]:
+    env = {name: value for name, value in subprocess_env().items()
+           if name not in (GLOO_INTERFACE_ENV, NCCL_INTERFACE_ENV, CPP_LOG_LEVEL_ENV)}
+    return {**env, SECRET_ENV: "the job's secret"}
+
+
+def start_nodes(network, tmp_path, *extra: str) -> list[subprocess.Popen]:
+    """One hetfair-train command per host (a toy job of two ranks meeting at host 0), each with its batch size."""
+    init = f"tcp://{network.hosts[0].address}:29500"
+    procs = []
+    for rank, (host, batch) in enumerate(zip(network.hosts, ("12", "20"))):
+        args = toy_train_args(tmp_path / "ckpt", 1) + ["--max-sentences", batch, *rank_flags(rank, 2, init), *extra]
+        procs.append(subprocess.Popen(host.command(*train_command(*args)), cwd=tmp_path, env=node_env(),
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    return procs
+
+
+def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
+    """Each command's exit code and stderr."""
+    try:
+        errors = [proc.communicate(timeout=240)[1] for proc in procs]
+        return [(proc.returncode, err) for proc, err in zip(procs, errors)]
+    finally:
+        for proc in procs:
+            proc.kill()
+            proc.wait()
+
+
+def test_two_hosts_whose_hostname_means_loopback_train_and_print_nothing(make_network, tmp_path):
+    """gloo would bind to 127.0.0.1 and the ranks would fail to connect ("Gloo connectFullMesh failed"): the
+    ranks use the interface towards rank 0's address instead. No C++ warning reaches the terminal either."""
+    network = make_network(2, etc=HOSTNAME_MEANS_LOOPBACK)
+    for code, err in finish(start_nodes(network, tmp_path)):
+        assert (code, err) == (0, "")
+    assert_same(final_parameters(tmp_path / "ckpt"), reference_parameters(update_size=32))
+
+
+def test_an_interface_that_does_not_reach_the_others_is_one_line(make_network, tmp_path):
+    network = make_network(2, etc=HOSTNAME_MEANS_LOOPBACK)
+    # a timeout long enough for both ranks to check in under load: it is gloo's connection that must fail
+    for code, err in finish(start_nodes(network, tmp_path, "--distributed-interface", "lo",
+                                        "--distributed-timeout", "10")):
+        [line] = err.splitlines()  # no traceback, no C++ lines
+        assert code == 2
+        assert line.endswith("--distributed-interface with the network interface that reaches the others (this "
+                             "node used lo)"), line
+
+
+def test_an_unknown_interface_is_one_line(tmp_path, capsys):
+    code = train_main(["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--max-epoch", "1",
+                       "--save-dir", str(tmp_path / "c"), *rank_flags(0, 2, "tcp://127.0.0.1:29500"),
+                       "--distributed-interface", "no-such-nic0"])
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert line.startswith("hetfair-train: error: --distributed-interface no-such-nic0: this machine has no "
+                           "network interface of that name; it has lo")
+
+
+@pytest.mark.parametrize("address", ["127.0.0.1", "::1"])
+def test_the_way_to_a_loopback_address_is_the_loopback_interface(address):
+    if ipaddress.ip_address(address) not in {held for _, held in interface_addresses()}:
+        pytest.skip(f"this machine has no {address}")
+    assert interface_towards(address, "localhost") == "lo"
+
+
+@pytest.mark.parametrize("device, expected", [("cpu", {GLOO_INTERFACE_ENV: "eth1"}),
+                                              ("cuda", {GLOO_INTERFACE_ENV: "eth1", NCCL_INTERFACE_ENV: "eth1"})])
+def test_the_flag_overrides_the_users_interface_and_the_choice_does_not(monkeypatch, device, expected):
+    monkeypatch.setenv(GLOO_INTERFACE_ENV, "ib0")
+    monkeypatch.delenv(NCCL_INTERFACE_ENV, raising=False)
+    use_interface("eth1", torch.device(device), override=False)  # the choice towards the rendezvous host
+    assert os.environ[GLOO_INTERFACE_ENV] == "ib0"
+    use_interface("eth1", torch.device(device), override=True)  # --distributed-interface
+    assert {name: os.environ.get(name) for name in expected} == expected
