@@ -17,7 +17,7 @@ PYTEST_ARGS ?= -q
 BIN := $(VENV)/bin
 STAMPS := $(VENV)/.hetfair-setup
 DEMO_PACKAGES := dataset-fashion-mnist
-TEST_PACKAGES := dataset-fashion-mnist jargon-text
+TEST_PACKAGES := dataset-fashion-mnist jargon-text iproute2
 
 .PHONY: help demo test setup demo-data test-data clean-demo
 
