@@ -41,6 +41,7 @@ from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.check_in import check_in
 from hetfair.distributed.per_process import check_counts, for_process
 from hetfair.distributed.rendezvous import (
+    check_store_directory,
     create_store,
     job_secret,
     loopback_interface,
@@ -80,6 +81,8 @@ class LaunchPlan:
     process of this command."""
     node_starter: str = "torchrun (--nproc-per-node)"
     """What starts the node's processes, as a list of the wrong length names it."""
+    private_dir: Optional[str] = None
+    """The directory of a one-command job's own store, removed when the job ends."""
 
     def list_length(self) -> int:
         """How many values a per-process list must hold."""
@@ -172,23 +175,35 @@ def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
 def _rendezvous_for(plan: LaunchPlan, args: argparse.Namespace) -> Iterator[LaunchPlan]:
     """The plan with its store and secret: a private file store for a one-command job (removed after)."""
     if plan.init_method is not None:
-        if plan.use_env_store:
-            yield plan
+        if plan.use_env_store and not uses_agent_store(os.environ):
+            yield plan  # torchrun's own store, which hetfair does not serve
             return
         address = parse_init_method(plan.init_method, os.environ)
+        check_store_directory(address)
+        # torchrun's MASTER_ADDR may be loopback on its own node only (a host name as 127.0.1.1)
         yield replace(plan, secret=job_secret(args.distributed_secret, address, os.environ),
-                      local_only=address.is_loopback)
+                      local_only=address.is_loopback and not plan.use_env_store)
         return
     directory = tempfile.mkdtemp(prefix="hetfair-rendezvous-")  # mode 0700: this user only
     try:
         yield replace(plan, init_method=f"file://{directory}/store", secret=private_secret().encode(),
-                      local_only=True)
+                      local_only=True, private_dir=directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
 
 def _run_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn: TrainFunction) -> None:
-    """One rank, in its worker process: join the group, train, leave the group in order."""
+    """One rank, in its worker process; a rank whose launcher was killed removes the job's own store."""
+    launcher = os.getppid()
+    try:
+        _train_rank(index, args, plan, train_fn)
+    finally:
+        if plan.private_dir and os.getppid() != launcher:  # killed (SIGKILL): it cannot clean up
+            shutil.rmtree(plan.private_dir, ignore_errors=True)
+
+
+def _train_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn: TrainFunction) -> None:
+    """One rank: join the group, train, leave the group in order."""
     device = _device_for(args, plan, index)
     args = for_process(args, plan.list_index(index))
     if args.user_dir:
@@ -240,7 +255,7 @@ def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan, device: 
         if warning and rank == 0:
             print(f"hetfair-train: warning: {warning}", file=sys.stderr, flush=True)
         with deadline(limit, f"rank {rank} found no store of this start through torchrun's within {timeout:.0f}s"):
-            store = fresh_store(os.environ, rank, plan.world_size, timeout)
+            store = fresh_store(os.environ, rank, plan.world_size, timeout, plan.secret)
     else:
         address = parse_init_method(plan.init_method, os.environ)
         with deadline(limit, f"rank {rank} got no answer from the rendezvous {plan.init_method} within "
