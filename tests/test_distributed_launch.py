@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TOY_PLUGIN, final_parameters, free_port, run_nodes, start, subprocess_env, train_command
+from hetfair_cli.train import main as train_main
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
 
@@ -153,3 +154,15 @@ def test_rank_beyond_the_world_is_a_clear_error(tmp_path):
     [result] = run_nodes([args], cwd=Path(tmp_path), timeout=60)
     assert result.returncode == 2
     assert "ranks 3..4" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_file_store_in_a_missing_directory_stops_before_any_process_starts(tmp_path, capsys):
+    began = time.monotonic()
+    code = train_main(toy_train_args(tmp_path / "c", 1) + [
+        "--distributed-world-size", "2", "--distributed-gpus", "2",
+        "--distributed-init-method", f"file://{tmp_path}/missing/store"])
+    assert time.monotonic() - began < 5
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"hetfair-train: error: --distributed-init-method file://{tmp_path}/missing/store: directory does not "
+        f"exist; create it (on a file system every node shares) or give another path"]

@@ -209,3 +209,17 @@ def test_the_secret_is_never_stored_in_a_checkpoint(tmp_path):
     config = load_checkpoint(tmp_path / "c" / "checkpoint_last.pt")["config"]
     assert "distributed_secret" not in config
     assert b"do-not-store-me" not in (tmp_path / "c" / "checkpoint_last.pt").read_bytes()
+
+
+def test_under_torchrun_a_store_other_machines_can_reach_needs_a_secret(tmp_path):
+    """In a network namespace of its own (no route anywhere), so that nothing is sent even if it tried."""
+    if subprocess.run(["unshare", "--net", "true"], capture_output=True).returncode != 0:
+        pytest.skip("cannot make a network namespace (unshare --net) here")
+    args = ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--max-epoch", "1", "--save-dir", str(tmp_path / "c")]
+    env = {**{k: v for k, v in subprocess_env().items() if k != SECRET_ENV}, **torchrun_env(0, 2, "203.0.113.5:29500")}
+    result = subprocess.run(["unshare", "--net", *train_command(*args)], cwd=tmp_path, env=env, capture_output=True,
+                            text=True, timeout=120)
+    assert result.returncode == 2
+    [line] = result.stderr.strip().splitlines()
+    assert line.startswith("hetfair-train: error: the rendezvous at 203.0.113.5:29500 can be reached from other "
+                           f"machines: give every node's command the same secret in the {SECRET_ENV}"), line
