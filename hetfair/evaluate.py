@@ -1,6 +1,7 @@
 """Metrics of a saved checkpoint on one split (``hetfair-validate``), computed as training validates.
 
-A checkpoint is data, never code: its stored ``--user-dir`` is not imported. Only the plugin
+A checkpoint is data, never code: its stored ``--user-dir`` is not imported, and its task's
+network options (a download mirror) are not used: the command line's are. Only the plugin
 directory given on the command line is; when the checkpoint's components are unknown without
 the directory it was trained with, the error names that directory.
 """
@@ -8,7 +9,7 @@ the directory it was trained with, the error names that directory.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -17,10 +18,10 @@ from hetfair.pretrained import load_model
 from hetfair.validation import Validator
 
 
-def evaluate_checkpoint(path: Path, subset: str, overrides: dict[str, Any],
-                        user_dir: Optional[str] = None) -> dict[str, float]:
+def evaluate_checkpoint(path: Path, subset: str, overrides: dict[str, Any], user_dir: Optional[str] = None,
+                        task_argv: Sequence[str] = ()) -> dict[str, float]:
     """Load the model of ``path`` (as :func:`hetfair.load_model`) and return its metrics on ``subset``."""
-    loaded = load_model(path, user_dir=user_dir, overrides=overrides)
+    loaded = load_model(path, user_dir=user_dir, overrides=overrides, task_argv=task_argv)
     options = loaded.options
     device = torch.device("cuda" if torch.cuda.is_available() and not options.cpu else "cpu")
     context = DistributedContext(rank=0, world_size=1, local_rank=0, device=device)
