@@ -18,7 +18,7 @@ with one line; SIGTERM or SIGUSR1 preempts them (:mod:`hetfair.distributed.preem
 Options given per process (``--max-sentences 48,16``, ``--device-id 0,2``, see
 :mod:`hetfair.distributed.per_process`) must list one value per process started
 here, or under torchrun one per worker of the node (``LOCAL_WORLD_SIZE``); each
-process receives its own.
+process receives its own. Under SLURM they may be given per node (``48:16``).
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import torch.distributed as dist
 from hetfair.distributed.agent_store import fresh_store, join_warning, uses_agent_store
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.check_in import check_in
-from hetfair.distributed.per_process import check_counts, for_process
+from hetfair.distributed.per_process import check_counts, for_node, for_process
 from hetfair.distributed.rendezvous import (
     check_store_directory,
     create_store,
@@ -48,7 +48,7 @@ from hetfair.distributed.rendezvous import (
     parse_init_method,
     private_secret,
 )
-from hetfair.distributed.slurm import first_host, in_slurm_job, tasks_on_this_node
+from hetfair.distributed.slurm import first_host, in_slurm_job, node_of, tasks_on_this_node
 from hetfair.distributed.preemption import preemptible
 from hetfair.distributed.supervisor import deadline, exit_with_parent, run_workers
 from hetfair.distributed.zero import ShardingConfig, check_sharding
@@ -156,6 +156,7 @@ def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
     worker processes (see :mod:`hetfair.distributed.supervisor`), also when this command
     starts only one of them.
     """
+    args = for_node(args, node_of(os.environ) if args.distributed_init_method is None else None)
     plan = plan_launch(args, os.environ)
     if TORCHRUN_ENV in os.environ:
         exit_with_parent()  # torchrun killed by SIGKILL must not leave its workers training on
