@@ -19,7 +19,9 @@ from hetfair_cli.reader_watch import exit_when_reader_leaves
 DESCRIPTION = """Report a checkpoint's metrics on one or more splits, computed as training validates.
 One line per split on standard output, numbers formatted as in training's progress output
 (or one JSON object per split with --json); notes such as where the data came from go to
-standard error. The task, model and data are those stored in the checkpoint unless overridden."""
+standard error. The task, model and data are those stored in the checkpoint unless overridden.
+Where to connect is never taken from the checkpoint: the task's own flags for that (e.g. the
+mnist task's --mnist-mirror URL) are accepted here too."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -41,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _main(argv: list[str]) -> int:
-    args = build_parser().parse_args(argv)
+    args, task_argv = build_parser().parse_known_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)  # e.g. the task's data notes
     if args.max_sentences_valid is not None and args.max_sentences_valid < 1:
         raise ConfigError(f"--max-sentences must be at least 1, got {args.max_sentences_valid}")
@@ -49,7 +51,8 @@ def _main(argv: list[str]) -> int:
         raise ConfigError(f"--num-workers must be at least 0, got {args.num_workers}")
     overrides = {"data": args.data, "max_sentences_valid": args.max_sentences_valid,
                  "num_workers": args.num_workers, "cpu": args.cpu}
-    results = evaluate_checkpoint(Path(args.path), args.valid_subset.split(","), overrides, user_dir=args.user_dir)
+    results = evaluate_checkpoint(Path(args.path), args.valid_subset.split(","), overrides, user_dir=args.user_dir,
+                                  task_argv=task_argv)
     with exit_when_reader_leaves(sys.stdout):  # `hetfair-validate ... | head -1` evaluates no further split
         for subset, metrics in results:
             line = json.dumps({"subset": subset, **metrics}) if args.json else f"{subset} | {format_metrics(metrics)}"

@@ -53,6 +53,7 @@ class MnistTask(Task):
         "max_sentences": 64,
         "max_epoch": 1,
     }
+    network_options: ClassVar[tuple[str, ...]] = ("mnist_mirror",)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TOY_PLUGIN, final_parameters, free_port, run_nodes, start, subprocess_env, train_command
+from hetfair_cli.train import main as train_main
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
 
@@ -69,6 +70,32 @@ def test_slurm_environment(tmp_path, batches):
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err
     assert_same(final_parameters(save_dir), reference_parameters(update_size=32))
+
+
+def test_slurm_two_nodes_with_their_own_batch_sizes_from_one_command(tmp_path):
+    """srun on two nodes, one task each, every task the same command: ``12:20`` is 12 on node 0, 20 on node 1."""
+    save_dir = tmp_path / "ckpt"
+    port = free_port()
+    procs = []
+    for node in (0, 1):
+        env = {**subprocess_env(), "SLURM_PROCID": str(node), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
+               "SLURM_NODEID": str(node), "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2",
+               "SLURM_TASKS_PER_NODE": "1(x2)"}
+        args = toy_train_args(save_dir, 1) + ["--max-sentences", "12:20", "--distributed-port", str(port)]
+        procs.append(subprocess.Popen(train_command(*args), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                                      stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+    assert_same(final_parameters(save_dir), reference_parameters(update_size=32))
+
+
+def test_values_per_node_need_slurm_to_say_which_node_this_is(tmp_path, capsys):
+    code = train_main(toy_train_args(tmp_path / "c", 1) + ["--max-sentences", "12:20"])
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "hetfair-train: error: --max-sentences 12:20 gives one value per node, which needs SLURM (its SLURM_NODEID "
+        "says which node this is); give each node's command its own value"]
 
 
 def test_mismatched_world_size_is_a_clear_error(tmp_path):
@@ -153,3 +180,15 @@ def test_rank_beyond_the_world_is_a_clear_error(tmp_path):
     [result] = run_nodes([args], cwd=Path(tmp_path), timeout=60)
     assert result.returncode == 2
     assert "ranks 3..4" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_a_file_store_in_a_missing_directory_stops_before_any_process_starts(tmp_path, capsys):
+    began = time.monotonic()
+    code = train_main(toy_train_args(tmp_path / "c", 1) + [
+        "--distributed-world-size", "2", "--distributed-gpus", "2",
+        "--distributed-init-method", f"file://{tmp_path}/missing/store"])
+    assert time.monotonic() - began < 5
+    assert code == 2
+    assert capsys.readouterr().err.strip().splitlines() == [
+        f"hetfair-train: error: --distributed-init-method file://{tmp_path}/missing/store: directory does not "
+        f"exist; create it (on a file system every node shares) or give another path"]

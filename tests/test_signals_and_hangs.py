@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from helpers import TOY_PLUGIN, free_port, is_running, start, worker_pids
+from helpers import TOY_PLUGIN, free_port, is_running, start, subprocess_env, train_command, worker_pids
 
 # generous for a loaded machine; the launcher itself needs at most ~2.5 s (SIGTERM, 2 s grace, SIGKILL)
 STOP_BOUND_SECONDS = 15
@@ -80,18 +80,24 @@ def test_a_crashed_worker_stops_the_others_with_one_line(tmp_path):
                         r"the others were stopped", line), line
 
 
-def test_workers_stop_when_their_launcher_is_killed(tmp_path):
-    launcher = start(long_run(tmp_path, "--distributed-world-size", "2"), tmp_path)
+def test_workers_stop_and_remove_the_jobs_store_when_their_launcher_is_killed(tmp_path):
+    temp = tmp_path / "tmp"  # where the launcher makes its private rendezvous directory
+    temp.mkdir()
+    launcher = subprocess.Popen(train_command(*long_run(tmp_path, "--distributed-world-size", "2")), cwd=tmp_path,
+                                env={**subprocess_env(), "TMPDIR": str(temp)}, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
     try:
         wait_for_line(launcher, "train_inner", within=240)
         workers = worker_pids(launcher.pid)
         assert len(workers) == 2
+        assert [p.name for p in temp.glob("hetfair-rendezvous-*")]
         launcher.kill()
         launcher.wait()
         deadline = time.monotonic() + STOP_BOUND_SECONDS
         while [pid for pid in workers if is_running(pid)] and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not [pid for pid in workers if is_running(pid)]
+        assert not [p.name for p in temp.glob("hetfair-rendezvous-*")]
     finally:
         for pid in worker_pids(launcher.pid):
             os.kill(pid, signal.SIGKILL)

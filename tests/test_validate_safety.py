@@ -8,13 +8,17 @@ from __future__ import annotations
 
 import os
 import shlex
+import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import pytest
 
 from helpers import TOY_PLUGIN, subprocess_env
+from test_mnist_plugin import PLUGIN_DIR, write_mnist_dir
+from hetfair import load_model
 from hetfair.checkpoint import atomic_save, load_checkpoint
 from hetfair_cli.train import main as train_main
 from hetfair_cli.validate import main as validate_main
@@ -130,3 +134,45 @@ def test_a_file_that_is_no_checkpoint_is_one_line(tmp_path, capsys, content):
 def test_bad_validate_options_are_one_line(trained, capsys, flags, message):
     assert validate_main(["--path", str(trained), "--user-dir", str(TOY_PLUGIN), *flags]) == 2
     assert capsys.readouterr().err.strip().splitlines() == [f"hetfair-validate: error: {message}"]
+
+
+class CountingListener:
+    """An HTTP mirror on 127.0.0.1 that counts the connections it gets and closes each at once."""
+
+    def __init__(self) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}/"
+        self.connections = 0
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            self.connections += 1
+            connection.close()
+
+
+def test_a_mirror_named_in_the_checkpoint_is_never_contacted_only_the_command_lines(tmp_path):
+    (tmp_path / "data").mkdir()
+    data = write_mnist_dir(tmp_path / "data")
+    assert train_main(["--user-dir", str(PLUGIN_DIR), "--task", "mnist", "--data", str(data), "--max-update", "1",
+                       "--save-dir", str(tmp_path / "c"), "--mnist-cache-dir", str(tmp_path / "cache"),
+                       "--log-format", "none", "--no-epoch-checkpoints"]) == 0
+    stored, given = CountingListener(), CountingListener()
+    checkpoint = with_config(tmp_path / "c" / "checkpoint_last.pt", tmp_path / "m.pt", data=None,
+                             mnist_mirror=[stored.url])  # validated without --data: the files are downloaded
+    assert load_model(checkpoint, user_dir=PLUGIN_DIR).options.mnist_mirror is None  # the task's own mirrors
+    result = validate(checkpoint, "--user-dir", str(PLUGIN_DIR), "--mnist-mirror", given.url, cwd=tmp_path)
+    assert stored.connections == 0
+    assert given.connections > 0
+    assert result.returncode == 2
+    last = result.stderr.strip().splitlines()[-1]
+    assert given.url in last and stored.url not in last, result.stderr
+    result = validate(checkpoint, "--user-dir", str(PLUGIN_DIR), "--valid-size", "2", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "hetfair-validate: error: unrecognized arguments: --valid-size; of its task's flags, the command takes only "
+        "those that say where to connect (--mnist-mirror)"]

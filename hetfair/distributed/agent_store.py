@@ -9,7 +9,9 @@ timeout. So hetfair uses the agent store only to find a store of this start's ow
 hosts a new store on a free port and publishes ``port|nonce`` in the agent store; the
 others read it, connect, and take the store only if it holds the same nonce: a value left
 by an earlier start names a store that is gone (or one that holds another nonce), and is
-read again until rank 0's new one replaces it.
+read again until rank 0's new one replaces it. With the job's secret the published value
+is signed (see :mod:`hetfair.distributed.check_in`): one that another client wrote into
+torchrun's store is ignored.
 """
 
 from __future__ import annotations
@@ -18,10 +20,11 @@ import secrets
 import socket
 import time
 from datetime import timedelta
-from typing import Mapping
+from typing import Mapping, Optional
 
 import torch.distributed as dist
 
+from hetfair.distributed.check_in import Signer
 from hetfair.distributed.rendezvous import StoreAddress, host_tcp_store
 from hetfair.errors import DistributedError, first_line
 
@@ -48,8 +51,10 @@ def join_warning(env: Mapping[str, str]) -> str | None:
             "take part; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for every torchrun of an elastic job")
 
 
-def fresh_store(env: Mapping[str, str], rank: int, world_size: int, timeout: float) -> dist.Store:
-    """This start's own store, found through the agent store, within ``timeout`` seconds."""
+def fresh_store(env: Mapping[str, str], rank: int, world_size: int, timeout: float,
+                secret: Optional[bytes]) -> dist.Store:
+    """This start's own store, found through the agent store, within ``timeout`` seconds; ``secret`` signs where."""
+    signer = Signer(secret)
     host, port = env["MASTER_ADDR"], int(env["MASTER_PORT"])
     deadline = time.monotonic() + timeout
     try:
@@ -61,11 +66,12 @@ def fresh_store(env: Mapping[str, str], rank: int, world_size: int, timeout: flo
         store = host_tcp_store(StoreAddress("tcp", host=host, port=0), world_size, timeout)
         nonce = secrets.token_hex(8)
         store.set(_NONCE_KEY, nonce)
-        agent.set(_ADDRESS_KEY, f"{store.port}|{nonce}")
+        agent.set(_ADDRESS_KEY, signer.sign(_ADDRESS_KEY, f"{store.port}|{nonce}"))
         return store
     while time.monotonic() < deadline:
         if agent.check([_ADDRESS_KEY]):
-            store = _open_if_current(host, agent.get(_ADDRESS_KEY).decode(), world_size, deadline)
+            published = signer.verify(_ADDRESS_KEY, agent.get(_ADDRESS_KEY))
+            store = None if published is None else _open_if_current(host, published, world_size, deadline)
             if store is not None:
                 return store
         time.sleep(_POLL_SECONDS)

@@ -30,13 +30,14 @@ _POLL_SECONDS = 0.05
 _HOST_GRACE_SECONDS = 3.0
 
 
-class _Signer:
+class Signer:
     """HMAC-SHA256 signatures of store values (or none, for a private store without a secret)."""
 
     def __init__(self, secret: Optional[bytes]) -> None:
         self.secret = secret
 
     def sign(self, key: str, value: str) -> str:
+        """``value`` with its signature (unchanged without a secret)."""
         if self.secret is None:
             return value
         return f"{self._mac(key, value)}:{value}"
@@ -60,7 +61,7 @@ class _CheckIn:
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float,
                  secret: Optional[bytes]) -> None:
         self.store, self.rank, self.world_size, self.timeout = store, rank, world_size, timeout
-        self.signer = _Signer(secret)
+        self.signer = Signer(secret)
         # rank 0 hosts the store: it gives up last, so the others can still tell their own story
         self.deadline = time.monotonic() + timeout + (_HOST_GRACE_SECONDS if rank == 0 else 0.0)
         self.nonce = ""

@@ -18,7 +18,7 @@ with one line; SIGTERM or SIGUSR1 preempts them (:mod:`hetfair.distributed.preem
 Options given per process (``--max-sentences 48,16``, ``--device-id 0,2``, see
 :mod:`hetfair.distributed.per_process`) must list one value per process started
 here, or under torchrun one per worker of the node (``LOCAL_WORLD_SIZE``); each
-process receives its own.
+process receives its own. Under SLURM they may be given per node (``48:16``).
 """
 
 from __future__ import annotations
@@ -39,11 +39,17 @@ import torch.distributed as dist
 from hetfair.distributed.agent_store import fresh_store, join_warning, uses_agent_store
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.check_in import check_in
-from hetfair.distributed.per_process import check_counts, for_process
+from hetfair.distributed.per_process import check_counts, for_node, for_process
 from hetfair.distributed.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded
 from hetfair.distributed.network import choose_interface, use_interface
-from hetfair.distributed.rendezvous import create_store, job_secret, parse_init_method, private_secret
-from hetfair.distributed.slurm import first_host, in_slurm_job, tasks_on_this_node
+from hetfair.distributed.rendezvous import (
+    check_store_directory,
+    create_store,
+    job_secret,
+    parse_init_method,
+    private_secret,
+)
+from hetfair.distributed.slurm import first_host, in_slurm_job, node_of, tasks_on_this_node
 from hetfair.distributed.preemption import preemptible
 from hetfair.distributed.supervisor import deadline, exit_with_parent, run_workers
 from hetfair.distributed.zero import ShardingConfig, check_sharding
@@ -71,6 +77,8 @@ class LaunchPlan:
     interface: Optional[str] = None
     """The network interface gloo (and NCCL) use here: the loopback interface when every rank runs on this
     machine, else the one towards the rendezvous host (see :mod:`hetfair.distributed.network`)."""
+    private_dir: Optional[str] = None
+    """The directory of a one-command job's own store, removed when the job ends."""
     node_processes: int = 0
     """Under torchrun, or SLURM with one task per process: the node's processes (``LOCAL_WORLD_SIZE``, the
     node's tasks), whose per-process lists are indexed by local rank; 0 when the lists hold one value per
@@ -150,6 +158,7 @@ def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
     worker processes (see :mod:`hetfair.distributed.supervisor`), also when this command
     starts only one of them.
     """
+    args = for_node(args, node_of(os.environ) if args.distributed_init_method is None else None)
     plan = plan_launch(args, os.environ)
     if TORCHRUN_ENV in os.environ:
         exit_with_parent()  # torchrun killed by SIGKILL must not leave its workers training on
@@ -171,22 +180,35 @@ def _rendezvous_for(plan: LaunchPlan, args: argparse.Namespace) -> Iterator[Laun
     (removed after)."""
     if plan.init_method is not None:
         address = parse_init_method(plan.init_method, os.environ)
+        check_store_directory(address)
         interface = choose_interface(args.distributed_interface, address)  # a host that does not resolve ends here
-        if plan.use_env_store:
-            yield replace(plan, interface=interface)
+        if plan.use_env_store and address.is_loopback and args.distributed_interface is None:
+            interface = None  # torchrun's MASTER_ADDR may be loopback on its own node only (a host name as 127.0.1.1)
+        if plan.use_env_store and not uses_agent_store(os.environ):
+            yield replace(plan, interface=interface)  # torchrun's own store, which hetfair does not serve
             return
         yield replace(plan, secret=job_secret(args.distributed_secret, address, os.environ), interface=interface)
         return
     directory = tempfile.mkdtemp(prefix="hetfair-rendezvous-")  # mode 0700: this user only
     try:
         yield replace(plan, init_method=f"file://{directory}/store", secret=private_secret().encode(),
-                      interface=choose_interface(args.distributed_interface, None))
+                      interface=choose_interface(args.distributed_interface, None), private_dir=directory)
     finally:
         shutil.rmtree(directory, ignore_errors=True)
 
 
 def _run_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn: TrainFunction) -> None:
-    """One rank, in its worker process: join the group, train, leave the group in order."""
+    """One rank, in its worker process; a rank whose launcher was killed removes the job's own store."""
+    launcher = os.getppid()
+    try:
+        _train_rank(index, args, plan, train_fn)
+    finally:
+        if plan.private_dir and os.getppid() != launcher:  # killed (SIGKILL): it cannot clean up
+            shutil.rmtree(plan.private_dir, ignore_errors=True)
+
+
+def _train_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn: TrainFunction) -> None:
+    """One rank: join the group, train, leave the group in order."""
     device = _device_for(args, plan, index)
     args = for_process(args, plan.list_index(index))
     if args.user_dir:
@@ -245,7 +267,7 @@ def _form_group(rank: int, backend: str, timeout: float, plan: LaunchPlan) -> No
         if warning and rank == 0:
             print(f"hetfair-train: warning: {warning}", file=sys.stderr, flush=True)
         with deadline(limit, f"rank {rank} found no store of this start through torchrun's within {timeout:.0f}s"):
-            store = fresh_store(os.environ, rank, plan.world_size, timeout)
+            store = fresh_store(os.environ, rank, plan.world_size, timeout, plan.secret)
     else:
         address = parse_init_method(plan.init_method, os.environ)
         with deadline(limit, f"rank {rank} got no answer from the rendezvous {plan.init_method} within "

@@ -10,12 +10,18 @@ order of their ranks. :func:`parse_per_process` reads the text (one value stays
 a plain value, a list becomes a tuple); the launcher refuses a list of the wrong
 length before it starts anything (:func:`check_counts`) and gives each process
 the options with its own values (:func:`for_process`).
+
+Under SLURM, where ``srun`` gives every node the same command, values may also be
+given per node: ``48:16`` (a :class:`PerNode`) is 48 on the job's first node
+(``SLURM_NODEID`` 0) and 16 on its second, and each node's part may itself be a
+per-process list (``48,32:16``); :func:`for_node` picks this node's part first.
 """
 
 from __future__ import annotations
 
 import argparse
-from typing import Any, Callable, TypeVar, Union
+from dataclasses import dataclass
+from typing import Any, Callable, Optional, TypeVar, Union
 
 from hetfair.errors import ConfigError
 
@@ -30,12 +36,25 @@ def flag_of(dest: str) -> str:
     return "--" + dest.replace("_", "-")
 
 
-def parse_per_process(text: str, convert: Callable[[str], T], dest: str) -> Union[T, tuple[T, ...]]:
-    """``"48"`` -> ``48``; ``"48,16"`` -> ``(48, 16)``, each item read by ``convert``.
+@dataclass(frozen=True)
+class PerNode:
+    """One value (or per-process list) for each node of a SLURM job, in ``SLURM_NODEID`` order."""
+
+    values: tuple[Any, ...]
+    text: str
+
+    def __str__(self) -> str:
+        return self.text
+
+
+def parse_per_process(text: str, convert: Callable[[str], T], dest: str) -> Union[T, tuple[T, ...], PerNode]:
+    """``"48"`` -> ``48``; ``"48,16"`` -> ``(48, 16)``, each item read by ``convert``; ``"48:16"`` -> a :class:`PerNode`.
 
     ``convert`` raises :class:`ValueError` with a message for an item it cannot read;
     that becomes a :class:`ConfigError` naming the flag.
     """
+    if ":" in text:
+        return PerNode(tuple(parse_per_process(part, convert, dest) for part in text.split(":")), text)
     try:
         values = tuple(convert(item.strip()) for item in text.split(","))
     except ValueError as exc:
@@ -45,8 +64,32 @@ def parse_per_process(text: str, convert: Callable[[str], T], dest: str) -> Unio
 
 
 def values_of(value: Any) -> tuple[Any, ...]:
-    """Every value an option holds: the items of a per-process list, or the one value."""
+    """Every value an option holds: the items of a per-process or per-node list, or the one value."""
+    if isinstance(value, PerNode):
+        return tuple(item for part in value.values for item in values_of(part))
     return value if isinstance(value, tuple) else (value,)
+
+
+def for_node(args: argparse.Namespace, node: Optional[tuple[int, int]]) -> argparse.Namespace:
+    """``args`` with each per-node value (``48:16``) replaced by this node's part.
+
+    ``node`` is ``(this node's index, the number of nodes)``, or ``None`` where nothing says
+    which node this is (only SLURM does).
+    """
+    own = {}
+    for dest in PER_PROCESS_OPTIONS:
+        value = getattr(args, dest, None)
+        if not isinstance(value, PerNode):
+            continue
+        if node is None:
+            raise ConfigError(f"{flag_of(dest)} {value} gives one value per node, which needs SLURM (its "
+                              f"SLURM_NODEID says which node this is); give each node's command its own value")
+        index, nodes = node
+        if len(value.values) != nodes:
+            raise ConfigError(f"{flag_of(dest)} {value} gives {len(value.values)} values, one per node, but the "
+                              f"SLURM job has {nodes} nodes; give one value per node, separated by ':'")
+        own[dest] = value.values[index]
+    return argparse.Namespace(**{**vars(args), **own}) if own else args
 
 
 def check_counts(args: argparse.Namespace, nprocs: int, starter: str = "this command starts") -> None:

@@ -2,15 +2,17 @@
 
 The ranks then check in through it (:mod:`hetfair.distributed.check_in`).
 
-**Who may talk to the store.** A store on a loopback address (``tcp://127.0.0.1:…``) listens
-on that address only, and a local ``--distributed-world-size N`` run meets in a ``file://``
-store in a directory only its user can read; gloo then also listens on the loopback
-interface only. A store on any other address listens on every interface, and torch's
-``TCPStore`` has no authentication: whoever reaches the port can read and write keys. So
-such a job needs a shared secret (``--distributed-secret`` or
-:data:`SECRET_ENV`): rank 0's check-in, every arrival and the abort message carry an
-HMAC-SHA256 over the key, the value and a per-job nonce, and ranks act only on values
-whose signature verifies. An unsigned abort message is ignored; a replayed one from
+**Who may talk to the store.** torch's ``TCPStore`` has no authentication: whoever reaches
+the port can read and write keys. So every tcp store's check-in is signed: rank 0's
+check-in, every arrival and the abort message carry an HMAC-SHA256 over the key, the value
+and a per-job nonce, and ranks act only on values whose signature verifies. The secret is
+``--distributed-secret`` or :data:`SECRET_ENV`; a store on a loopback address
+(``tcp://127.0.0.1:…``, torchrun with a loopback ``MASTER_ADDR``), which only this machine's
+users reach, may instead use this user's own (:mod:`hetfair.distributed.user_secret`). It
+listens on that address only, and gloo then also on the loopback interface only. A store
+on any other address listens on every interface, and its job needs the shared secret. A
+local ``--distributed-world-size N`` run meets in a ``file://`` store in a directory only
+its user can read, with a fresh secret. An unsigned abort message is ignored; a replayed one from
 another job fails on the nonce. What the secret does not cover: the process group's
 own keys (gloo's addresses), which torch reads unauthenticated after the check-in.
 """
@@ -29,6 +31,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
+from hetfair.distributed.user_secret import user_secret
 from hetfair.errors import ConfigError, DistributedError, first_line
 
 SECRET_ENV = "HETFAIR_SECRET"
@@ -83,13 +86,16 @@ def _is_loopback(host: str) -> bool:
 def job_secret(given: Optional[str], address: StoreAddress, env: Mapping[str, str]) -> Optional[bytes]:
     """The secret that signs this job's check-in: ``--distributed-secret``, else :data:`SECRET_ENV`.
 
-    A tcp store that other machines can reach needs one; on a loopback address, or in a file
-    (whose permissions say who may write it), the job also runs without.
+    A tcp store that other machines can reach needs one; on a loopback address it defaults
+    to this user's loopback secret, and a file store (whose permissions say who may write
+    it) runs unsigned without one.
     """
     secret = given or env.get(SECRET_ENV)
     if secret:
         return secret.encode()
-    if address.scheme == "tcp" and not address.is_loopback:
+    if address.is_loopback:
+        return user_secret()
+    if address.scheme == "tcp":
         raise ConfigError(
             f"the rendezvous at {address.host}:{address.port} can be reached from other machines: give every "
             f"node's command the same secret in the {SECRET_ENV} environment variable (or --distributed-secret), "
@@ -109,6 +115,13 @@ def loopback_interface() -> str:
     return next((name for name in names if name.startswith("lo")), "lo")
 
 
+def check_store_directory(address: StoreAddress) -> None:
+    """Refuse a ``file://`` store whose directory does not exist (before any process starts)."""
+    if address.scheme == "file" and not os.path.isdir(os.path.dirname(address.path) or "."):
+        raise DistributedError(f"--distributed-init-method file://{address.path}: directory does not exist; "
+                               f"create it (on a file system every node shares) or give another path")
+
+
 def create_store(address: StoreAddress, rank: int, world_size: int, timeout: float) -> dist.Store:
     """Open the key-value store at ``address``: rank 0 hosts a tcp store, the others connect.
 
@@ -117,8 +130,7 @@ def create_store(address: StoreAddress, rank: int, world_size: int, timeout: flo
     a missing rank 0 is one error line after ``timeout`` seconds.
     """
     if address.scheme == "file":
-        if not os.path.isdir(os.path.dirname(address.path) or "."):
-            raise DistributedError(f"--distributed-init-method file://{address.path}: directory does not exist")
+        check_store_directory(address)
         store = dist.FileStore(address.path, world_size)
         store.set_timeout(timedelta(seconds=timeout))
         return store

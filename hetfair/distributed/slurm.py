@@ -39,3 +39,10 @@ def tasks_on_this_node(env: Mapping[str, str]) -> int:
     if node < len(counts):
         return counts[node]
     return int(env.get("SLURM_NTASKS_PER_NODE", "0") or 0)
+
+
+def node_of(env: Mapping[str, str]) -> tuple[int, int] | None:
+    """``(SLURM_NODEID, number of nodes)`` of a task of a SLURM job, else ``None``."""
+    if not in_slurm_job(env):
+        return None
+    return int(env.get("SLURM_NODEID", "0")), int(env.get("SLURM_JOB_NUM_NODES", env.get("SLURM_NNODES", "1")))

@@ -21,9 +21,14 @@ class Task:
     ``option_defaults`` sets defaults for *core* options when this task is
     chosen, e.g. ``{"criterion": "cross_entropy", "arch": "mnist_cnn",
     "max_sentences": 64}``; the command line still overrides them.
+
+    ``network_options`` names this task's options (their ``args`` attributes) that say where
+    to connect, e.g. a download mirror: a checkpoint's values of them are never used outside
+    training, only those of the command line that loads it (``hetfair-validate --mnist-mirror``).
     """
 
     option_defaults: ClassVar[dict[str, Any]] = {}
+    network_options: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
