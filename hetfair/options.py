@@ -17,11 +17,11 @@ from typing import Any, Sequence
 
 from hetfair.criteria import CRITERION_REGISTRY
 from hetfair.distributed.per_process import PerProcessValues, parse_per_process, values_of
-from hetfair.distributed.zero import parse_shard_weights
 from hetfair.errors import ConfigError
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.optim.implementation import IMPLEMENTATIONS
+from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig, check_strategy_options
 from hetfair.plugins import import_user_dir
 from hetfair.precision import parse_precision
 from hetfair.tasks import TASK_REGISTRY
@@ -190,10 +190,11 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB",
                        help="DDP gradient bucket size in MiB (as fairseq); gradients are all-reduced bucket by "
                             "bucket while the backward pass goes on")
-    group.add_argument("--ddp-backend", choices=("c10d", "fully_sharded"), default="c10d",
-                       help="c10d: replicate the model (DistributedDataParallel); fully_sharded: shard "
-                            "parameters, gradients and optimizer state over the ranks (FSDP2), for models "
-                            "larger than the smallest device")
+    group.add_argument("--ddp-backend", metavar="NAME", default="c10d",
+                       help="parallelism strategy: c10d replicates the model (DistributedDataParallel); "
+                            "fully_sharded shards parameters, gradients and optimizer state over the ranks "
+                            "(FSDP2), for models larger than the smallest device; one of: "
+                            f"{_known(STRATEGY_REGISTRY.names())}")
     group.add_argument("--no-reshard-after-forward", action="store_true",
                        help="with fully_sharded: keep each unit's parameters gathered from its forward to "
                             "its backward (less communication, more memory; ZeRO-2-like)")
@@ -417,14 +418,7 @@ def validate_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--balance-smoothing must be in (0, 1], got {args.balance_smoothing}")
     if not 0 <= args.balance_threshold < 1:
         raise ConfigError(f"--balance-threshold must be in [0, 1), got {args.balance_threshold}")
-    if args.zero_shard_weights is not None:
-        if args.zero_sharding != "os":
-            raise ConfigError("--zero-shard-weights needs --zero-sharding os")
-        parse_shard_weights(args.zero_shard_weights)
-    if args.ddp_backend == "fully_sharded" and args.zero_sharding != "none":
-        raise ConfigError("--ddp-backend fully_sharded already shards the optimizer state; drop --zero-sharding")
-    if args.no_reshard_after_forward and args.ddp_backend != "fully_sharded":
-        raise ConfigError("--no-reshard-after-forward needs --ddp-backend fully_sharded")
+    check_strategy_options(ParallelConfig.from_args(args))
 
 
 def _whole_number(text: str) -> int:

@@ -20,7 +20,6 @@ from hetfair.distributed.collectives import all_gather_ints
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.preemption import StopAgreement, requested_by
 from hetfair.distributed.stats import UpdateResult
-from hetfair.distributed.zero import shard_report
 from hetfair.errors import ConfigError, Preempted
 from hetfair.logging.meters import IntervalStats, Stopwatch
 from hetfair.logging.progress import Progress, format_metric
@@ -117,7 +116,7 @@ class TrainingRun:
         valid_caps = all_gather_ints(context, local_capacity(args, self.task,
                                                              args.max_sentences_valid or args.max_sentences))
         self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, valid_caps,
-                                   args.num_workers, forward_every_batch=args.ddp_backend == "fully_sharded")
+                                   args.num_workers, forward_every_batch=self.trainer.strategy.joins_every_micro_batch)
         self.nominal_shape = command_shape(args, self.caps)
         self.shape = fit_shape(args, self.nominal_shape, self.caps)
         self.balancer = self._new_balancer()
@@ -130,7 +129,7 @@ class TrainingRun:
         self.stopwatch = Stopwatch()  # each update's seconds, for ups/wps
         self.checkpointer = Checkpointer(CheckpointConfig.from_args(args), self._checkpoint_parts(),
                                          plain_config(args), context.is_master)
-        self._shards_to_report = args.zero_sharding == "os"
+        self._shards_to_report = True  # after the first update, if the strategy has any
         self.preemption = StopAgreement(context)
         self.preempted = False  # every rank agreed to save and stop after the current update
         self._check_best_metric_exists()
@@ -266,10 +265,12 @@ class TrainingRun:
             self._log("balance", {f"split{rank}": count for rank, count in enumerate(split)})
 
     def _report_optimizer_shards(self) -> None:
-        """Log each rank's shard and optimizer-state bytes once, after the first update (a collective)."""
+        """Log each rank's shard and optimizer-state bytes once, after the first update (a collective where
+        the strategy shards them)."""
         self._shards_to_report = False
-        report = shard_report(self.trainer.optimizer, self.context)
-        self.progress.log("zero", report, self.position.epoch, self.trainer.num_updates)
+        report = self.trainer.strategy.shard_report(self.trainer.optimizer)
+        if report:
+            self.progress.log("zero", report, self.position.epoch, self.trainer.num_updates)
 
     # -- what is due between updates and after epochs ----------------------------------
     def after_update(self, stopping: bool, end_of_epoch: bool = False) -> None:

@@ -33,7 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair.tasks",),  # the Task base class
     ("hetfair.models", "hetfair.criteria", "hetfair.optim"),  # component base classes and registries
     ("hetfair.precision", "hetfair.compile"),  # autocast per process, the job's one loss scale; --compile
-    ("hetfair.distributed",),  # process groups, launching, collectives: no knowledge of components
+    ("hetfair.distributed", "hetfair.parallel"),  # process groups, launching, collectives, parallelism
+    # strategies: no knowledge of components
     ("hetfair.registry", "hetfair.plugins"),  # the generic registry, plugin discovery
     ("hetfair.errors", "hetfair.utils", "hetfair.rng"),  # leaves
 ]
@@ -193,3 +194,4 @@ def test_engine_does_not_import_plugin_families():
     ]
     assert not violations, ("plugin families are found through entry points, not imported:\n"
                             + "\n".join(violations))
+
