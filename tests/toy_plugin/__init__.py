@@ -64,3 +64,6 @@ class ToyMLP(HetfairModel):
 @register_model_architecture("toy_mlp", "toy_mlp_wide")
 def toy_mlp_wide() -> dict:
     return {"toy_hidden": 64}
+
+
+from toy_plugin import strategy  # noqa: E402,F401  (registers the toy_allreduce strategy)
