@@ -46,7 +46,6 @@ from hetfair.distributed.stats import (
     start_sync_stats,
     sum_logs,
 )
-from hetfair.distributed.zero import check_ranks_agree
 from hetfair.errors import CheckpointError, DivergenceError, first_line
 from hetfair.models import HetfairModel
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY, LRScheduler
@@ -153,9 +152,7 @@ class Trainer:
         :func:`hetfair.precision.job_loss_scaler`). The ranks must have agreed on their settings already
         (:mod:`hetfair.startup`): the strategies' collectives differ."""
         recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
-        parallel = ParallelConfig.from_args(args)
-        check_ranks_agree(parallel, context)  # before any collective that differs between the modes
-        strategy = build_strategy(parallel, context)
+        strategy = build_strategy(ParallelConfig.from_args(args), context)
         return cls(
             TrainerConfig.from_args(args), model, criterion, context, dummy_batch,
             optimizer_factory=lambda params: strategy.build_optimizer(recipe, args, params),

@@ -16,7 +16,6 @@ from hetfair.checkpoint import CheckpointConfig, Checkpointer, Stateful
 from hetfair.data.epoch_updates import EpochSchedule, EpochUpdates, Update
 from hetfair.data.rank_batches import dummy_batch
 from hetfair.data.update_shape import UpdateShape
-from hetfair.distributed.collectives import all_gather_ints
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.preemption import StopAgreement, requested_by
 from hetfair.distributed.stats import UpdateResult
@@ -25,9 +24,11 @@ from hetfair.logging.meters import IntervalStats, Stopwatch
 from hetfair.logging.progress import Progress, format_metric
 from hetfair.logging.tensorboard import TensorBoardLogger
 from hetfair.options import plain_config
-from hetfair.precision import LossScaleConfig, gather_precisions, job_loss_scaler
+from hetfair.parallel import ParallelConfig
+from hetfair.precision import LossScaleConfig, job_loss_scaler
 from hetfair.rng import RngState, seed_everything
 from hetfair.run_state import BalancerPart, BatchPart, Position, TrainingClock
+from hetfair.startup import LOSS_SCALE, PARALLELISM, JobFacts, RankFacts, agree_at_start_up
 from hetfair.tasks import TASK_REGISTRY, Task
 from hetfair.trainer import Trainer
 from hetfair.utils import check_output_dir
@@ -108,14 +109,14 @@ class TrainingRun:
         self.train_data = self.task.dataset(args.train_subset)
         model = self.task.build_model(args)
         criterion = self.task.build_criterion(args)
-        self.precisions = gather_precisions(context, args.precision)
-        loss_scaler = job_loss_scaler(context, self.precisions, LossScaleConfig.from_args(args, context.world_size))
+        loss_scale = LossScaleConfig.from_args(args, context.world_size)
+        job = self._agree(loss_scale)
+        self.precisions = job.precisions
         self.trainer = Trainer.from_args(args, model, criterion, context,
-                                         dummy_batch(self.train_data, self.task.collater), loss_scaler)
-        self.caps = all_gather_ints(context, local_capacity(args, self.task, args.max_sentences))
-        valid_caps = all_gather_ints(context, local_capacity(args, self.task,
-                                                             args.max_sentences_valid or args.max_sentences))
-        self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, valid_caps,
+                                         dummy_batch(self.train_data, self.task.collater),
+                                         job_loss_scaler(job.precisions, loss_scale))
+        self.caps = job.train_caps
+        self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, job.valid_caps,
                                    args.num_workers, forward_every_batch=self.trainer.strategy.joins_every_micro_batch)
         self.nominal_shape = command_shape(args, self.caps)
         self.shape = fit_shape(args, self.nominal_shape, self.caps)
@@ -135,6 +136,15 @@ class TrainingRun:
         self._check_best_metric_exists()
         self.restored_from = self._restore()
         self._announce(model)
+
+    def _agree(self, loss_scale: LossScaleConfig) -> JobFacts:
+        """The one start-up exchange: every rank's precision and batch sizes; the shared settings checked."""
+        args = self.args
+        own = RankFacts(args.precision, local_capacity(args, self.task, args.max_sentences),
+                        local_capacity(args, self.task, args.max_sentences_valid or args.max_sentences),
+                        {PARALLELISM: ParallelConfig.from_args(args).shared_settings(),
+                         LOSS_SCALE: loss_scale.shared_settings()})
+        return agree_at_start_up(self.context, own)
 
     def _checkpoint_parts(self) -> dict[str, Stateful]:
         parts: dict[str, Stateful] = {"trainer": self.trainer, "position": self.position, "clock": self.clock,

@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import zlib
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -25,7 +24,6 @@ from hetfair.errors import ConfigError
 
 if TYPE_CHECKING:
     from hetfair.optim import HetfairOptimizer
-    from hetfair.parallel import ParallelConfig
 
 
 def build_sharded_optimizer(
@@ -41,21 +39,6 @@ def build_sharded_optimizer(
     from hetfair.distributed.zero_optimizer import ShardedOptimizer  # torch.distributed.optim costs 0.65 s to import
 
     return ShardedOptimizer(params, recipe.torch_class, weights, **recipe.build_kwargs(args, params))
-
-
-def check_ranks_agree(sharding: "ParallelConfig", context: DistributedContext) -> None:
-    """Fail on every rank, rather than hang or diverge, when nodes were given different sharding flags."""
-    if not context.is_distributed:
-        return
-    setting = f"{sharding.zero_sharding}|{sharding.zero_shard_weights}|{sharding.ddp_backend}"
-    fingerprints = all_gather_ints(context, zlib.crc32(setting.encode()))
-    if len(set(fingerprints)) > 1:
-        differing = [rank for rank, value in enumerate(fingerprints) if value != fingerprints[0]]
-        raise ConfigError(
-            f"ranks {differing} were given other --zero-sharding/--zero-shard-weights than rank 0 "
-            f"(or another --ddp-backend); "
-            f"give every node's command the same values"
-        )
 
 
 def parse_shard_weights(text: str, world_size: Optional[int] = None) -> list[float]:
