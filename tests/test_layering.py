@@ -195,3 +195,39 @@ def test_engine_does_not_import_plugin_families():
     assert not violations, ("plugin families are found through entry points, not imported:\n"
                             + "\n".join(violations))
 
+
+def import_cycles() -> list[list[str]]:
+    """Groups of modules that import each other, directly or round a circle (Tarjan's strongly connected
+    components). A package importing its own submodules (registering built-ins) is not counted."""
+    graph: dict[str, set[str]] = {}
+    for imp in all_imports():
+        if imp.target in MODULES and imp.target != imp.importer and not imp.target.startswith(imp.importer + "."):
+            graph.setdefault(imp.importer, set()).add(imp.target)
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            group = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(MODULES):
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycles():
+    assert not import_cycles(), f"modules that import each other (in functions too): {import_cycles()}"

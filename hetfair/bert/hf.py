@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from hetfair.bert.model import ACTIVATIONS, BertConfig
+from hetfair.bert.config import ACTIVATIONS, BertConfig
 from hetfair.errors import CheckpointError, ConfigError
 
 CONFIG_FILE = "config.json"
