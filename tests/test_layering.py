@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair",),  # the public API: hetfair.register_*, hetfair.load_model (imported lazily)
     ("hetfair.training", "hetfair.evaluate", "hetfair.pretrained"),  # the training loop, hetfair-validate's program
     ("hetfair.checkpoint", "hetfair.checkpoint_writer", "hetfair.trainer", "hetfair.validation",
-     "hetfair.run_state", "hetfair.startup"),  # their parts
+     "hetfair.run_state", "hetfair.startup", "hetfair.run_config"),  # their parts
     ("hetfair.balance", "hetfair.logging", "hetfair.data"),  # engine services
     ("hetfair.options", "hetfair.inventory"),  # the command line's options, --list-plugins
     ("hetfair.bert",),  # hetfair's own plugin family (see PLUGIN_FAMILIES)

@@ -7,7 +7,6 @@ the last backward; on real gloo ranks it must give the plain PyTorch update, as 
 from __future__ import annotations
 
 import textwrap
-from pathlib import Path
 
 from helpers import final_parameters, free_port, node_commands, run_nodes
 from hetfair.plugins import clear_entry_point_cache
