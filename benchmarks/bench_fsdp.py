@@ -28,9 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hetfair.bert.criterion import MaskedLmCriterion  # noqa: E402
 from hetfair.bert.model import BertConfig, BertModel, bert_base, bert_large, bert_mini  # noqa: E402
 from hetfair.distributed.context import DistributedContext  # noqa: E402
-from hetfair.distributed.zero import ShardingConfig, build_optimizer  # noqa: E402
 from hetfair.optim.adam import Adam  # noqa: E402
 from hetfair.optim.lr_scheduler.fixed import FixedSchedule  # noqa: E402
+from hetfair.parallel import ParallelConfig, build_strategy  # noqa: E402
 from hetfair.trainer import Trainer, TrainerConfig  # noqa: E402
 
 ARCHS = {"bert_mini": bert_mini, "bert_base": bert_base, "bert_large": bert_large}
@@ -67,11 +67,12 @@ def worker(rank: int, world: int, port: int, mode: str, arch: str, updates: int,
     torch.manual_seed(0)
     model = BertModel(BertConfig(vocab_size=VOCAB, **ARCHS[arch](), hidden_dropout_prob=0.0,
                                  attention_probs_dropout_prob=0.0))
-    sharding = ShardingConfig("os" if mode == "os" else "none")
-    config = TrainerConfig(optimizer="adam", fully_sharded=mode == "fully_sharded")
-    trainer = Trainer(config, model, MaskedLmCriterion(None), context, batch(0),
-                      optimizer_factory=lambda params: build_optimizer(Adam, options, params, context, sharding),
-                      lr_scheduler_factory=lambda optimizer: FixedSchedule(options, optimizer))
+    parallel = ParallelConfig("fully_sharded" if mode == "fully_sharded" else "c10d",
+                              zero_sharding="os" if mode == "os" else "none")
+    strategy = build_strategy(parallel, context)
+    trainer = Trainer(TrainerConfig(optimizer="adam"), model, MaskedLmCriterion(None), context, batch(0),
+                      optimizer_factory=lambda params: strategy.build_optimizer(Adam, options, params),
+                      lr_scheduler_factory=lambda optimizer: FixedSchedule(options, optimizer), strategy=strategy)
     times = []
     for step in range(updates):
         start = time.perf_counter()

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hetfair.criteria import CRITERION_REGISTRY
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, arch_model
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
+from hetfair.parallel import STRATEGY_REGISTRY
 from hetfair.registry import Registry
 from hetfair.tasks import TASK_REGISTRY
 
@@ -15,6 +16,7 @@ REGISTRIES: tuple[Registry, ...] = (
     CRITERION_REGISTRY,
     OPTIMIZER_REGISTRY,
     LR_SCHEDULER_REGISTRY,
+    STRATEGY_REGISTRY,
 )
 CLASH = "<- clash"
 

@@ -13,15 +13,16 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Any, Sequence
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
 
 from hetfair.criteria import CRITERION_REGISTRY
 from hetfair.distributed.per_process import PerProcessValues, parse_per_process, values_of
-from hetfair.distributed.zero import parse_shard_weights
 from hetfair.errors import ConfigError
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.optim.implementation import IMPLEMENTATIONS
+from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig, check_strategy_options
 from hetfair.plugins import import_user_dir
 from hetfair.precision import parse_precision
 from hetfair.tasks import TASK_REGISTRY
@@ -34,6 +35,52 @@ def _known(registry_names: list[str]) -> str:
     return ", ".join(registry_names) or "(none)"
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The values a numeric option accepts, declared next to it (:func:`_option`) and checked after parsing,
+    so that a plugin's default is held to them too. Floats must also be finite."""
+
+    minimum: Optional[float] = None
+    maximum: Optional[float] = None
+    open_minimum: bool = False
+    """The minimum itself is refused."""
+    open_maximum: bool = False
+    """The maximum itself is refused."""
+    says: Optional[str] = None
+    """The requirement in words (``"must be positive"``), where the generated one would read badly."""
+
+    def problem(self, value: float, is_float: bool) -> Optional[str]:
+        """What ``value`` breaks (``"must be at least 1"``), or ``None`` when it is within bounds."""
+        if self._accepts(value, is_float):
+            return None
+        return self.says or self._requirement(value, is_float)
+
+    def _accepts(self, value: float, is_float: bool) -> bool:
+        low, high = self.minimum, self.maximum
+        above = low is None or value > low or (value == low and not self.open_minimum)
+        below = high is None or value < high or (value == high and not self.open_maximum)
+        return above and below and (math.isfinite(value) or not is_float)
+
+    def _requirement(self, value: float, is_float: bool) -> str:
+        low, high = self.minimum, self.maximum
+        if is_float and high is not None:
+            return f"must be in {'(' if self.open_minimum else '['}{low:g}, {high:g}{')' if self.open_maximum else ']'}"
+        if is_float:
+            return f"must be a finite number of at least {low:g}"
+        return f"must be at least {low}" if low is not None and value < low else f"must be at most {high}"
+
+
+POSITIVE = Bounds(0.0, open_minimum=True, says="must be positive")
+
+
+def _option(group: Any, *flags: str, bounds: Bounds, **kwargs: Any) -> argparse.Action:
+    """``group.add_argument(*flags, **kwargs)`` for a numeric option whose values must be within ``bounds``
+    (``None``, not given, always is)."""
+    action = group.add_argument(*flags, **kwargs)
+    action.bounds = bounds  # type: ignore[attr-defined]
+    return action
+
+
 def add_common_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("common")
     group.add_argument("--user-dir", metavar="DIR", type=absolute_path,
@@ -41,9 +88,10 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--list-plugins", action="store_true",
                        help="list every registered component and where it comes from, then exit")
     group.add_argument("--debug", action="store_true", help="show tracebacks for errors")
-    group.add_argument("--seed", type=int, default=1, help="random seed (data order, init, masking)")
+    _option(group, "--seed", bounds=Bounds(0, 2**63 - 1), type=int, default=1,
+            help="random seed (data order, init, masking)")
     group.add_argument("--cpu", action="store_true", help="train on CPU even when a GPU is present")
-    group.add_argument("--log-interval", type=int, default=100, metavar="N", help="log every N updates")
+    _option(group, "--log-interval", bounds=Bounds(1), type=int, default=100, metavar="N", help="log every N updates")
     group.add_argument("--log-format", choices=LOG_FORMATS, default=None,
                        help="progress output (default: tqdm on a terminal, simple otherwise)")
     group.add_argument("--tensorboard-logdir", metavar="DIR", type=absolute_path,
@@ -66,46 +114,49 @@ def add_component_args(parser: argparse.ArgumentParser) -> None:
 def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset and batching")
     group.add_argument("--data", metavar="DIR", type=absolute_path, help="data directory of the task")
-    group.add_argument("--max-sentences", "--batch-size", metavar="N[,N...]", dest="max_sentences",
-                       type=PerProcessValues(_whole_number, "max_sentences", int, "an integer"),
-                       help="samples per process and micro-batch (may differ between nodes); a list gives one "
-                            "value per process of this command, e.g. 48,16")
-    group.add_argument("--max-tokens", metavar="N[,N...]",
-                       type=PerProcessValues(_whole_number, "max_tokens", int, "an integer"),
-                       help="tokens per process and micro-batch (may differ between nodes); a list gives one "
-                            "value per process of this command")
-    group.add_argument("--global-batch-size", type=int, metavar="N",
-                       help="samples per step over all processes (default: the sum of their batch sizes; "
-                            "smaller leaves room for --auto-balance to move the split)")
-    group.add_argument("--max-sentences-valid", type=int, metavar="N",
-                       help="validation samples per process (default: --max-sentences)")
+    _option(group, "--max-sentences", "--batch-size", bounds=Bounds(1), metavar="N[,N...]", dest="max_sentences",
+            type=PerProcessValues(_whole_number, "max_sentences", int, "an integer"),
+            help="samples per process and micro-batch (may differ between nodes); a list gives one "
+                 "value per process of this command, e.g. 48,16")
+    _option(group, "--max-tokens", bounds=Bounds(1), metavar="N[,N...]",
+            type=PerProcessValues(_whole_number, "max_tokens", int, "an integer"),
+            help="tokens per process and micro-batch (may differ between nodes); a list gives one "
+                 "value per process of this command")
+    _option(group, "--global-batch-size", bounds=Bounds(1), type=int, metavar="N",
+            help="samples per step over all processes (default: the sum of their batch sizes; "
+                 "smaller leaves room for --auto-balance to move the split)")
+    _option(group, "--max-sentences-valid", bounds=Bounds(1), type=int, metavar="N",
+            help="validation samples per process (default: --max-sentences)")
     group.add_argument("--train-subset", default="train", metavar="SPLIT", help="split to train on")
     group.add_argument("--valid-subset", default="valid", metavar="SPLITS",
                        help="comma-separated splits to validate on")
     group.add_argument("--disable-validation", action="store_true", help="do not validate")
-    group.add_argument("--validate-interval", type=int, default=1, metavar="N", help="validate every N epochs")
-    group.add_argument("--validate-interval-updates", type=int, default=0, metavar="N",
-                       help="also validate every N updates (0: off)")
-    group.add_argument("--num-workers", type=int, default=0, metavar="N", help="DataLoader worker processes")
+    _option(group, "--validate-interval", bounds=Bounds(1), type=int, default=1, metavar="N",
+            help="validate every N epochs")
+    _option(group, "--validate-interval-updates", bounds=Bounds(0), type=int, default=0, metavar="N",
+            help="also validate every N updates (0: off)")
+    _option(group, "--num-workers", bounds=Bounds(0), type=int, default=0, metavar="N",
+            help="DataLoader worker processes")
 
 
 def add_optimization_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("optimization")
-    group.add_argument("--max-epoch", type=int, default=0, metavar="N",
-                       help="stop after N epochs (0: no limit; --max-epoch or --max-update must set one)")
-    group.add_argument("--max-update", type=int, default=0, metavar="N", help="stop after N updates (0: no limit)")
-    group.add_argument("--update-freq", type=int, metavar="N",
-                       help="accumulate N micro-batches per update (gradient sync on the last only; default 1, "
-                            "or as many as keep the checkpoint's samples per update when resuming)")
+    _option(group, "--max-epoch", bounds=Bounds(0), type=int, default=0, metavar="N",
+            help="stop after N epochs (0: no limit; --max-epoch or --max-update must set one)")
+    _option(group, "--max-update", bounds=Bounds(0), type=int, default=0, metavar="N",
+            help="stop after N updates (0: no limit)")
+    _option(group, "--update-freq", bounds=Bounds(1), type=int, metavar="N",
+            help="accumulate N micro-batches per update (gradient sync on the last only; default 1, "
+                 "or as many as keep the checkpoint's samples per update when resuming)")
     group.add_argument("--fixed-update-freq", action="store_true",
                        help="fail rather than raise --update-freq when the processes cannot hold the global batch "
                             "in one step (e.g. resuming on fewer of them)")
-    group.add_argument("--lr", type=float, default=1e-3, help="peak learning rate")
-    group.add_argument("--weight-decay", "--wd", type=float, default=0.0, help="weight decay")
-    group.add_argument("--clip-norm", type=float, default=0.0, metavar="NORM",
-                       help="clip gradients to this global norm (0: off)")
-    group.add_argument("--warmup-updates", type=int, default=0, metavar="N",
-                       help="linear learning-rate warm-up over N updates (every scheduler)")
+    _option(group, "--lr", bounds=Bounds(0.0), type=float, default=1e-3, help="peak learning rate")
+    _option(group, "--weight-decay", "--wd", bounds=Bounds(0.0), type=float, default=0.0, help="weight decay")
+    _option(group, "--clip-norm", bounds=Bounds(0.0), type=float, default=0.0, metavar="NORM",
+            help="clip gradients to this global norm (0: off)")
+    _option(group, "--warmup-updates", bounds=Bounds(0), type=int, default=0, metavar="N",
+            help="linear learning-rate warm-up over N updates (every scheduler)")
     group.add_argument("--optimizer-impl", choices=IMPLEMENTATIONS, default="auto",
                        help="torch's implementation of the optimizer step: auto picks fused where torch has it "
                             "(3-6x faster steps on CPU, same update up to float rounding), else foreach")
@@ -123,15 +174,16 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--fp16", action="store_true",
                        help="--precision fp16 for every process of this command (with dynamic loss scaling)")
     group.add_argument("--bf16", action="store_true", help="--precision bf16 for every process of this command")
-    group.add_argument("--fp16-init-scale", type=float, default=2.0**7, metavar="S",
-                       help="initial loss scale when any process runs fp16")
-    group.add_argument("--fp16-scale-window", type=int, metavar="N",
-                       help="double the loss scale after N updates without overflow "
-                            "(default: 2**14 / world size / update freq)")
-    group.add_argument("--min-loss-scale", type=float, default=1e-4, metavar="S",
-                       help="stop with an error when an overflow would lower the loss scale to S or below")
-    group.add_argument("--threshold-loss-scale", type=float, metavar="S",
-                       help="never lower the loss scale below S")
+    _option(group, "--fp16-init-scale", bounds=POSITIVE, type=float, default=2.0**7, metavar="S",
+            help="initial loss scale when any process runs fp16")
+    _option(group, "--fp16-scale-window", bounds=Bounds(1), type=int, metavar="N",
+            help="double the loss scale after N updates without overflow "
+                 "(default: 2**14 / world size / update freq)")
+    _option(group, "--min-loss-scale", bounds=Bounds(0.0, says="must not be negative"), type=float, default=1e-4,
+            metavar="S",
+            help="stop with an error when an overflow would lower the loss scale to S or below")
+    _option(group, "--threshold-loss-scale", bounds=POSITIVE, type=float, metavar="S",
+            help="never lower the loss scale below S")
 
 
 def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
@@ -142,13 +194,13 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                        help="checkpoint to resume from (relative to --save-dir unless absolute)")
     group.add_argument("--no-save", action="store_true",
                        help="write no checkpoints, and resume from none unless --restore-file names one")
-    group.add_argument("--save-interval", type=int, default=1, metavar="N", help="save every N epochs")
-    group.add_argument("--save-interval-updates", type=int, default=0, metavar="N",
-                       help="also save every N updates (0: off)")
-    group.add_argument("--keep-interval-updates", type=int, default=-1, metavar="N",
-                       help="keep only the last N update checkpoints (-1: all)")
-    group.add_argument("--keep-last-epochs", type=int, default=-1, metavar="N",
-                       help="keep only the last N epoch checkpoints (-1: all)")
+    _option(group, "--save-interval", bounds=Bounds(1), type=int, default=1, metavar="N", help="save every N epochs")
+    _option(group, "--save-interval-updates", bounds=Bounds(0), type=int, default=0, metavar="N",
+            help="also save every N updates (0: off)")
+    _option(group, "--keep-interval-updates", bounds=Bounds(-1), type=int, default=-1, metavar="N",
+            help="keep only the last N update checkpoints (-1: all)")
+    _option(group, "--keep-last-epochs", bounds=Bounds(-1), type=int, default=-1, metavar="N",
+            help="keep only the last N epoch checkpoints (-1: all)")
     group.add_argument("--no-epoch-checkpoints", action="store_true", help="only keep last and best")
     group.add_argument("--no-async-save", action="store_true",
                        help="write checkpoints on the training thread (default: a host-memory snapshot is "
@@ -163,42 +215,44 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
 
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("distributed training")
-    group.add_argument("--distributed-world-size", type=int, default=1, metavar="N",
-                       help="total number of processes in the job")
+    _option(group, "--distributed-world-size", bounds=Bounds(1), type=int, default=1, metavar="N",
+            help="total number of processes in the job")
     group.add_argument("--distributed-init-method", metavar="URL",
                        help="rendezvous: tcp://HOST:PORT, file:///shared/path or env://")
-    group.add_argument("--distributed-rank", type=int, default=0, metavar="R",
-                       help="global rank of the first process this command starts")
-    group.add_argument("--distributed-gpus", type=int, metavar="N",
-                       help="processes this command starts on this node (default: all of the world on one node)")
-    group.add_argument("--device-id", "--local_rank", default=0, dest="device_id", metavar="ID[,ID...]",
-                       type=PerProcessValues(_whole_number, "device_id", int, "an integer"),
-                       help="first GPU this command uses (its processes take the next ones); a list gives each "
-                            "process of this command its own GPU, e.g. 0,2,3")
+    _option(group, "--distributed-rank", bounds=Bounds(0), type=int, default=0, metavar="R",
+            help="global rank of the first process this command starts")
+    _option(group, "--distributed-gpus", bounds=Bounds(1), type=int, metavar="N",
+            help="processes this command starts on this node (default: all of the world on one node)")
+    _option(group, "--device-id", "--local_rank", bounds=Bounds(0), default=0, dest="device_id", metavar="ID[,ID...]",
+            type=PerProcessValues(_whole_number, "device_id", int, "an integer"),
+            help="first GPU this command uses (its processes take the next ones); a list gives each "
+                 "process of this command its own GPU, e.g. 0,2,3")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"),
                        help="collective backend (default: nccl on GPUs, gloo on CPU)")
-    group.add_argument("--distributed-port", type=int, default=0, metavar="PORT",
-                       help="port for SLURM rendezvous")
+    _option(group, "--distributed-port", bounds=Bounds(0, 65535), type=int, default=0, metavar="PORT",
+            help="port for SLURM rendezvous")
     group.add_argument("--distributed-interface", metavar="NAME",
                        help="network interface that reaches the other nodes, for gloo and NCCL (default: the one "
                             "towards the rendezvous host; overrides GLOO_SOCKET_IFNAME and NCCL_SOCKET_IFNAME)")
     group.add_argument("--distributed-secret", metavar="SECRET",
                        help="shared secret that signs the ranks' check-in (default: $HETFAIR_SECRET; needed "
                             "when the rendezvous is reachable from other machines; never stored in checkpoints)")
-    group.add_argument("--distributed-timeout", type=float, default=600.0, metavar="SECONDS",
-                       help="give up when a rank is lost or a collective stalls this long")
+    _option(group, "--distributed-timeout", type=float, default=600.0, metavar="SECONDS",
+            bounds=Bounds(0.0, open_minimum=True, says="must be a positive number of seconds"),
+            help="give up when a rank is lost or a collective stalls this long")
     group.add_argument("--fast-stat-sync", action="store_true",
                        help="accepted for HetSeq compatibility: stats are always synced in one "
                             "all-reduce when they can be summed")
     group.add_argument("--find-unused-parameters", action="store_true",
                        help="let DDP handle parameters that get no gradient")
-    group.add_argument("--bucket-cap-mb", type=float, default=25.0, metavar="MB",
-                       help="DDP gradient bucket size in MiB (as fairseq); gradients are all-reduced bucket by "
-                            "bucket while the backward pass goes on")
-    group.add_argument("--ddp-backend", choices=("c10d", "fully_sharded"), default="c10d",
-                       help="c10d: replicate the model (DistributedDataParallel); fully_sharded: shard "
-                            "parameters, gradients and optimizer state over the ranks (FSDP2), for models "
-                            "larger than the smallest device")
+    _option(group, "--bucket-cap-mb", bounds=Bounds(0.0), type=float, default=25.0, metavar="MB",
+            help="DDP gradient bucket size in MiB (as fairseq); gradients are all-reduced bucket by "
+                 "bucket while the backward pass goes on")
+    group.add_argument("--ddp-backend", metavar="NAME", default="c10d",
+                       help="parallelism strategy: c10d replicates the model (DistributedDataParallel); "
+                            "fully_sharded shards parameters, gradients and optimizer state over the ranks "
+                            "(FSDP2), for models larger than the smallest device; one of: "
+                            f"{_known(STRATEGY_REGISTRY.names())}")
     group.add_argument("--no-reshard-after-forward", action="store_true",
                        help="with fully_sharded: keep each unit's parameters gathered from its forward to "
                             "its backward (less communication, more memory; ZeRO-2-like)")
@@ -215,14 +269,16 @@ def add_balance_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--auto-balance", action="store_true",
                        help="re-split each global batch among processes by their measured speed "
                             "(each process's batch size stays a maximum)")
-    group.add_argument("--balance-warmup-updates", type=int, default=1, metavar="N",
-                       help="updates to ignore after start-up before measuring speeds")
-    group.add_argument("--balance-interval", type=int, default=3, metavar="N",
-                       help="measured updates between two re-split decisions")
-    group.add_argument("--balance-smoothing", type=float, default=0.2, metavar="W",
-                       help="weight of the newest update in the moving average of compute times (0 < W <= 1)")
-    group.add_argument("--balance-threshold", type=float, default=0.03, metavar="F",
-                       help="re-split only if the predicted step time drops by more than this fraction")
+    _option(group, "--balance-warmup-updates", bounds=Bounds(0), type=int, default=1, metavar="N",
+            help="updates to ignore after start-up before measuring speeds")
+    _option(group, "--balance-interval", bounds=Bounds(1), type=int, default=3, metavar="N",
+            help="measured updates between two re-split decisions")
+    _option(group, "--balance-smoothing", bounds=Bounds(0.0, 1.0, open_minimum=True), type=float, default=0.2,
+            metavar="W",
+            help="weight of the newest update in the moving average of compute times (0 < W <= 1)")
+    _option(group, "--balance-threshold", bounds=Bounds(0.0, 1.0, open_maximum=True), type=float, default=0.03,
+            metavar="F",
+            help="re-split only if the predicted step time drops by more than this fraction")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -334,7 +390,7 @@ def parse_train_args(argv: Sequence[str]) -> argparse.Namespace:
     model_name = add_chosen_components(parser, chosen)
     args = parser.parse_args(argv)
     args.model = model_name
-    validate_args(args)
+    validate_args(args, parser)
     return args
 
 
@@ -373,26 +429,9 @@ def stored_options(config: dict[str, Any]) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(parser.parse_args([])), **config, "model": model_name})
 
 
-# The smallest value each integer option accepts (a value of None means "not given").
-_INT_MINIMUM = {
-    "max_sentences": 1, "max_tokens": 1, "max_sentences_valid": 1, "update_freq": 1, "global_batch_size": 1,
-    "distributed_world_size": 1, "distributed_gpus": 1, "balance_interval": 1, "log_interval": 1,
-    "validate_interval": 1, "save_interval": 1,
-    "max_epoch": 0, "max_update": 0, "validate_interval_updates": 0, "save_interval_updates": 0,
-    "warmup_updates": 0, "num_workers": 0, "seed": 0, "distributed_rank": 0, "device_id": 0,
-    "distributed_port": 0, "balance_warmup_updates": 0, "fp16_scale_window": 1,
-    "keep_interval_updates": -1, "keep_last_epochs": -1,
-}
-_INT_MAXIMUM = {"seed": 2**63 - 1, "distributed_port": 65535}
-_FLOAT_MINIMUM = {"lr": 0.0, "weight_decay": 0.0, "clip_norm": 0.0, "bucket_cap_mb": 0.0}
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
-
-
-def validate_args(args: argparse.Namespace) -> None:
-    """Every core option checked at start-up, before any compute or process is started.
+def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Every core option of ``parser`` checked at start-up, before any compute or process is started:
+    the bounds each option declares (:func:`_option`), then what relates several options.
 
     What a run needs beyond valid values (an end, writable directories, the restore file) is
     :func:`hetfair.training.check_before_start`; the ranks' agreement is checked when they meet.
@@ -400,36 +439,15 @@ def validate_args(args: argparse.Namespace) -> None:
     if args.max_sentences is None and args.max_tokens is None:
         raise ConfigError("give a batch size: --max-sentences N (samples per process) or --max-tokens N")
     args.precision = _chosen_precision(args)
-    for name, minimum in _INT_MINIMUM.items():
-        for value in values_of(getattr(args, name)):
-            if value is not None and value < minimum:
-                raise ConfigError(f"{_flag(name)} must be at least {minimum}, got {value}")
-            if value is not None and name in _INT_MAXIMUM and value > _INT_MAXIMUM[name]:
-                raise ConfigError(f"{_flag(name)} must be at most {_INT_MAXIMUM[name]}, got {value}")
-    for name, minimum in _FLOAT_MINIMUM.items():
-        value = getattr(args, name)
-        if not (math.isfinite(value) and value >= minimum):
-            raise ConfigError(f"{_flag(name)} must be a finite number of at least {minimum:g}, got {value}")
-    if not (math.isfinite(args.distributed_timeout) and args.distributed_timeout > 0):
-        raise ConfigError(f"--distributed-timeout must be a positive number of seconds, got {args.distributed_timeout}")
-    for name in ("fp16_init_scale", "threshold_loss_scale"):
-        value = getattr(args, name)
-        if value is not None and not (math.isfinite(value) and value > 0):
-            raise ConfigError(f"--{name.replace('_', '-')} must be positive, got {value}")
-    if not (math.isfinite(args.min_loss_scale) and args.min_loss_scale >= 0):
-        raise ConfigError(f"--min-loss-scale must not be negative, got {args.min_loss_scale}")
-    if not 0 < args.balance_smoothing <= 1:
-        raise ConfigError(f"--balance-smoothing must be in (0, 1], got {args.balance_smoothing}")
-    if not 0 <= args.balance_threshold < 1:
-        raise ConfigError(f"--balance-threshold must be in [0, 1), got {args.balance_threshold}")
-    if args.zero_shard_weights is not None:
-        if args.zero_sharding != "os":
-            raise ConfigError("--zero-shard-weights needs --zero-sharding os")
-        parse_shard_weights(args.zero_shard_weights)
-    if args.ddp_backend == "fully_sharded" and args.zero_sharding != "none":
-        raise ConfigError("--ddp-backend fully_sharded already shards the optimizer state; drop --zero-sharding")
-    if args.no_reshard_after_forward and args.ddp_backend != "fully_sharded":
-        raise ConfigError("--no-reshard-after-forward needs --ddp-backend fully_sharded")
+    for action in parser._actions:
+        bounds: Optional[Bounds] = getattr(action, "bounds", None)
+        if bounds is None:
+            continue
+        for value in values_of(getattr(args, action.dest)):
+            problem = None if value is None else bounds.problem(value, is_float=action.type is float)
+            if problem:
+                raise ConfigError(f"{action.option_strings[0]} {problem}, got {value}")
+    check_strategy_options(ParallelConfig.from_args(args))
 
 
 def _whole_number(text: str) -> int:

@@ -12,22 +12,20 @@ multiplies its summed loss by ``S`` before backward, the all-reduced gradient is
 fused op that applies ``world_size / total_sample_size`` and looks for inf/NaN.
 Every rank holds the same reduced gradients, so all see an overflow together,
 skip the same update and change ``S`` the same way (:class:`LossScaler`) with no
-extra collective.
+extra collective. The ranks check at start-up that they were given the same loss-scaling
+flags (:mod:`hetfair.startup`, with :meth:`LossScaleConfig.shared_settings`).
 """
 
 from __future__ import annotations
 
 import argparse
-import zlib
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any, ContextManager, Optional
 
 import torch
 
-from hetfair.distributed.collectives import all_gather_ints
-from hetfair.distributed.context import DistributedContext
-from hetfair.errors import ConfigError, DivergenceError
+from hetfair.errors import DivergenceError
 
 PRECISIONS: tuple[str, ...] = ("fp32", "bf16", "fp16")
 _AUTOCAST_DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
@@ -65,6 +63,11 @@ class LossScaleConfig:
         """The flags of ``args``; the window defaults to fairseq's ``2**14 / world_size / update_freq``."""
         window = args.fp16_scale_window or max(1, int(2**14 / world_size / (args.update_freq or 1)))
         return cls(args.fp16_init_scale, window, args.min_loss_scale, args.threshold_loss_scale)
+
+    def shared_settings(self) -> dict[str, float | None]:
+        """The flags every rank must be given alike (the job shares one scale), by flag."""
+        return {"--fp16-init-scale": self.init_scale, "--fp16-scale-window": self.scale_window,
+                "--min-loss-scale": self.min_loss_scale, "--threshold-loss-scale": self.threshold_loss_scale}
 
 
 class LossScaler:
@@ -109,29 +112,6 @@ class LossScaler:
         self.clean_updates = int(state["clean_updates"])
 
 
-def gather_precisions(context: DistributedContext, precision: str) -> list[str]:
-    """Every rank's precision, indexed by rank (a collective)."""
-    codes = all_gather_ints(context, PRECISIONS.index(precision))
-    return [PRECISIONS[code] for code in codes]
-
-
-def job_loss_scaler(context: DistributedContext, precisions: list[str], config: LossScaleConfig) -> Optional[LossScaler]:
-    """The job's loss scaler when any rank runs fp16, else ``None`` (the same answer on every rank)."""
-    if "fp16" not in precisions:
-        return None
-    _check_ranks_agree(config, context)
-    return LossScaler(config)
-
-
-def _check_ranks_agree(config: LossScaleConfig, context: DistributedContext) -> None:
-    """Fail on every rank, rather than train on wrongly scaled gradients, when nodes gave other scaling flags."""
-    if not context.is_distributed:
-        return
-    fingerprints = all_gather_ints(context, zlib.crc32(repr(sorted(asdict(config).items())).encode()))
-    differing = [rank for rank, value in enumerate(fingerprints) if value != fingerprints[0]]
-    if differing:
-        raise ConfigError(
-            f"ranks {differing} were given other --fp16-init-scale/--fp16-scale-window/--min-loss-scale/"
-            f"--threshold-loss-scale (or --update-freq) than rank 0; the job shares one loss scale, so give "
-            f"every node's command the same values"
-        )
+def job_loss_scaler(precisions: list[str], config: LossScaleConfig) -> Optional[LossScaler]:
+    """The job's loss scaler when any rank runs fp16 (``precisions``: every rank's), else ``None``."""
+    return LossScaler(config) if "fp16" in precisions else None

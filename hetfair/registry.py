@@ -48,6 +48,7 @@ class Registry(Generic[T]):
         base_class: registered classes must derive from it (``None``: any callable).
         entry_point_group: ``importlib.metadata`` group scanned for plugins, or ``None``.
         builtin_modules: hetfair modules imported on first use to register built-ins.
+        plural: the kind in the plural, for messages (default: ``kind`` + "s").
     """
 
     def __init__(
@@ -56,9 +57,10 @@ class Registry(Generic[T]):
         base_class: type | None,
         entry_point_group: str | None = None,
         builtin_modules: Iterable[str] = (),
+        plural: str | None = None,
     ) -> None:
         self.kind = kind
-        self.plural = "criteria" if kind == "criterion" else f"{kind}s"
+        self.plural = plural or f"{kind}s"
         self.base_class = base_class
         self.entry_point_group = entry_point_group
         self._builtin_modules = tuple(builtin_modules)

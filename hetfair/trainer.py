@@ -30,14 +30,11 @@ from __future__ import annotations
 import argparse
 import math
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, Callable, ContextManager, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from hetfair.compile import compile_model
 from hetfair.distributed.context import DistributedContext
@@ -49,10 +46,10 @@ from hetfair.distributed.stats import (
     start_sync_stats,
     sum_logs,
 )
-from hetfair.distributed.zero import ShardingConfig, build_optimizer, check_ranks_agree, full_state_dict
-from hetfair.errors import CheckpointError, ConfigError, DivergenceError, first_line
+from hetfair.errors import CheckpointError, DivergenceError, first_line
 from hetfair.models import HetfairModel
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY, LRScheduler
+from hetfair.parallel import ParallelConfig, Strategy, build_strategy
 from hetfair.precision import LossScaler, autocast
 from hetfair.utils import derived_seed, move_to_device, state_dict_mismatch
 
@@ -64,27 +61,18 @@ class TrainerConfig:
     seed: int = 1
     clip_norm: float = 0.0
     """Clip gradients to this global norm (0: off)."""
-    find_unused_parameters: bool = False
     optimizer: str = "adam"
     """The optimizer's registry name, recorded in checkpoints."""
     reset_optimizer: bool = False
     """On restore, load the model only; optimizer and schedule start afresh."""
-    fully_sharded: bool = False
-    """Shard parameters, gradients and optimizer state (``--ddp-backend fully_sharded``) instead of DDP."""
-    reshard_after_forward: bool = True
-    """With ``fully_sharded``: free each unit's gathered parameters after its forward."""
     precision: str = "fp32"
     """This process's forward/loss precision: fp32, bf16 or fp16 (under autocast)."""
     compile: bool = False
     """``torch.compile`` the model in place, its batch dimension dynamic (``--compile``)."""
-    bucket_cap_mb: float = 25.0
-    """DDP's gradient bucket size in MiB (``--bucket-cap-mb``)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainerConfig":
-        return cls(args.seed, args.clip_norm, args.find_unused_parameters, args.optimizer, args.reset_optimizer,
-                   args.ddp_backend == "fully_sharded", not args.no_reshard_after_forward, args.precision,
-                   args.compile, args.bucket_cap_mb)
+        return cls(args.seed, args.clip_norm, args.optimizer, args.reset_optimizer, args.precision, args.compile)
 
 
 class _ComputeClock:
@@ -104,7 +92,8 @@ class _ComputeClock:
 
 
 class Trainer:
-    """Owns the model, criterion, optimizer and schedule of one process."""
+    """Owns the model, criterion, optimizer and schedule of one process; its :class:`Strategy` spreads
+    them over the ranks (default: replicated, the ``--ddp-backend c10d`` one)."""
 
     TIMINGS_LAG = 1
     """Updates between an update and the :class:`UpdateResult` that carries its per-rank timings."""
@@ -119,29 +108,23 @@ class Trainer:
         optimizer_factory: Callable[[list[nn.Parameter]], torch.optim.Optimizer],
         lr_scheduler_factory: Callable[[torch.optim.Optimizer], LRScheduler],
         loss_scaler: Optional[LossScaler] = None,
+        strategy: Optional[Strategy] = None,
     ) -> None:
         self.config = config
         self.loss_scaler = loss_scaler
         """The job's loss scale (every rank holds one when any rank runs fp16), else ``None``."""
         self.context = context
+        self.strategy = strategy or build_strategy(ParallelConfig(), context)
         self.criterion = criterion.to(context.device)
-        # fully sharded: shard first, then move only the shards (the whole model need not fit the device)
-        self._fsdp = _fully_shard(model, config, context) if config.fully_sharded else None
+        # shard first, then move only this rank's part (a sharded model need not fit the device whole)
+        self.strategy.shard(model, model.sharding_units() if isinstance(model, HetfairModel) else [])
         self.model = model.to(context.device)
         if config.compile:
             compile_model(self.model)
-        self.wrapped_model: nn.Module = self.model
         self.params = [p for p in self.model.parameters() if p.requires_grad]
-        if context.is_distributed and self._fsdp is None:
-            self.wrapped_model = DistributedDataParallel(
-                self.model,
-                device_ids=[context.device.index] if context.device.type == "cuda" else None,
-                find_unused_parameters=config.find_unused_parameters,
-                bucket_cap_mb=config.bucket_cap_mb,
-                gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copy in or out
-            )
+        self.wrapped_model: nn.Module = self.strategy.wrap(self.model)
         self.optimizer = optimizer_factory(self.params)
-        self._defers_normalising = loss_scaler is None and self._fsdp is None
+        self._defers_normalising = loss_scaler is None and self.strategy.holds_full_gradients
         """Normalising can wait for the clipping coefficient: one multiplication of the gradients does both.
         (With loss scaling the unscale also checks for overflow; sharded gradients are normalised in place.)"""
         self._scales_in_step = self._defers_normalising and _fused_step(self.optimizer)
@@ -164,16 +147,17 @@ class Trainer:
     def from_args(cls, args: argparse.Namespace, model: nn.Module, criterion: nn.Module,
                   context: DistributedContext, dummy_batch: dict[str, Any],
                   loss_scaler: Optional[LossScaler] = None) -> "Trainer":
-        """The trainer of ``args``: its ``--optimizer`` (sharded as ``--zero-sharding`` says), ``--lr-scheduler``
-        and ``--precision``, with the job's ``loss_scaler`` (see :func:`hetfair.precision.job_loss_scaler`)."""
+        """The trainer of ``args``: its ``--ddp-backend`` strategy, ``--optimizer`` (built by the strategy),
+        ``--lr-scheduler`` and ``--precision``, with the job's ``loss_scaler`` (see
+        :func:`hetfair.precision.job_loss_scaler`). The ranks must have agreed on their settings already
+        (:mod:`hetfair.startup`): the strategies' collectives differ."""
         recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
-        sharding = ShardingConfig.from_args(args)
-        check_ranks_agree(sharding, context)  # before any collective that differs between the modes
+        strategy = build_strategy(ParallelConfig.from_args(args), context)
         return cls(
             TrainerConfig.from_args(args), model, criterion, context, dummy_batch,
-            optimizer_factory=lambda params: build_optimizer(recipe, args, params, context, sharding),
+            optimizer_factory=lambda params: strategy.build_optimizer(recipe, args, params),
             lr_scheduler_factory=lambda optimizer: LR_SCHEDULER_REGISTRY.get(args.lr_scheduler)(args, optimizer),
-            loss_scaler=loss_scaler,
+            loss_scaler=loss_scaler, strategy=strategy,
         )
 
     # -- training --------------------------------------------------------------
@@ -196,7 +180,7 @@ class Trainer:
                 continue  # nothing to compute and no collective to join
             _seed_rng(derived_seed(self.config.seed, self.num_updates, index, self.context.rank), self.context.device)
             batch = move_to_device(sample if sample is not None else self._dummy_batch, self.context.device)
-            with self._gradient_sync(is_last):
+            with self.strategy.gradient_sync(self.wrapped_model, is_last):
                 with autocast(self.config.precision, self.context.device):
                     loss, sample_size, logs = self.criterion(self.wrapped_model, batch)
                 if sample is None:
@@ -224,7 +208,7 @@ class Trainer:
         if total_sample_size <= 0:
             return None
 
-        # 3. normalise by the global sample count (DDP / FSDP already divided by world size), undo the loss scale;
+        # 3. normalise by the global sample count (the strategy already divided by world size), undo the loss scale;
         #    without loss scaling or sharding, together with clipping below (see _defers_normalising)
         factor = self.context.world_size / total_sample_size
         grads = [p.grad for p in self.params if p.grad is not None]
@@ -258,10 +242,10 @@ class Trainer:
         """Multiply the gradients by ``factor`` (and by ``1 / S`` when loss scaling); True on inf/NaN.
 
         Without loss scaling there is nothing to check: the gradient norm's check
-        below reports a non-finite gradient as divergence. Fully sharded, each rank
-        holds other shards, so the ranks agree on an overflow in one small all-reduce.
+        below reports a non-finite gradient as divergence. Where each rank holds other
+        shards, the strategy makes the ranks agree on an overflow.
         """
-        local = self._fsdp.local_tensors(grads) if self._fsdp is not None else grads  # this rank's shards
+        local = self.strategy.local_tensors(grads)  # this rank's shards
         if self.loss_scaler is None:
             torch._foreach_mul_(local, factor)
             return False
@@ -269,8 +253,7 @@ class Trainer:
         found_inf = torch.zeros(1, device=device)
         inverse_scale = torch.full((1,), factor / self.loss_scaler.scale, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(local, found_inf, inverse_scale)
-        if self._fsdp is not None:
-            torch.distributed.all_reduce(found_inf, op=torch.distributed.ReduceOp.MAX)
+        self.strategy.agree_on_overflow(found_inf)
         return bool(found_inf.item())
 
     def _start_stats_sync(self, totals: dict[str, Any], samples: int) -> PendingStats:
@@ -297,49 +280,23 @@ class Trainer:
         return None if self.loss_scaler is None else self.loss_scaler.scale
 
     def _joins_collectives(self, is_last: bool) -> bool:
-        """Whether a micro-batch must run even without samples: it holds collectives the other ranks run.
-
-        DDP communicates in the last micro-batch's backward only; FSDP gathers parameters in every one.
-        """
-        return self.context.is_distributed and (is_last or self._fsdp is not None)
-
-    def _gradient_sync(self, is_last: bool) -> ContextManager[Any]:
-        """Gradients are reduced in the last micro-batch's backward only (``--update-freq``)."""
-        if self._fsdp is not None:
-            self._fsdp.set_gradient_sync(self.model, is_last)
-            return nullcontext()
-        if is_last or not self.context.is_distributed:
-            return nullcontext()
-        return self.wrapped_model.no_sync()  # type: ignore[operator]
+        """Whether a micro-batch must run even without samples: it holds collectives the other ranks run
+        (the last one always; every one where the strategy says so)."""
+        return self.context.is_distributed and (is_last or self.strategy.joins_every_micro_batch)
 
     def _clip_grad_norm(self, grads: list[torch.Tensor], owed: float) -> tuple[float, float]:
         """The norm of the normalised gradients ``owed * grads``, and the multiplier the gradients still need:
-        ``owed`` times the clipping coefficient (``--clip-norm``, computed as ``clip_grad_norm_`` does)."""
-        clip_norm = self.config.clip_norm
-        if self._fsdp is not None:  # owed is 1: sharded gradients are normalised in place
-            if clip_norm > 0:
-                return self._fsdp.clip_grad_norm(self.params, clip_norm), 1.0
-            return self._fsdp.total_norm(grads), 1.0
-        if not grads:
-            return 0.0, owed
-        gnorm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) * owed
-        if clip_norm > 0:
-            return gnorm, owed * min(1.0, clip_norm / (gnorm + 1e-6))
-        return gnorm, owed
+        ``owed`` times the clipping coefficient (``--clip-norm``)."""
+        return self.strategy.clip_grad_norm(self.params, grads, owed, self.config.clip_norm)
 
     # -- checkpoint state -------------------------------------------------------
     def optimizer_state_dict(self) -> Optional[dict[str, Any]]:
         """The full optimizer state (collective when sharded; ``None`` off the master)."""
-        if self._fsdp is not None:
-            state = self._fsdp.full_optimizer_state_dict(self.model, self.optimizer, self.params)
-            return state if self.context.is_master else None
-        return full_state_dict(self.optimizer, self.context)
+        return self.strategy.optimizer_state_dict(self.model, self.optimizer, self.params)
 
     def model_state_dict(self) -> dict[str, torch.Tensor]:
-        """The full model state (a collective when fully sharded; complete on the master)."""
-        if self._fsdp is not None:
-            return self._fsdp.full_model_state_dict(self.model)
-        return self.model.state_dict()
+        """The full model state (a collective when sharded; complete on the master)."""
+        return self.strategy.model_state_dict(self.model)
 
     def state_dict(self) -> dict[str, Any]:
         """Model, full optimizer state, schedule and update count (a collective when sharded)."""
@@ -359,12 +316,9 @@ class Trainer:
         overrides; :attr:`optimizer_overrides` lists the ones that changed.
         """
         try:
-            if self._fsdp is not None:
-                self._fsdp.load_full_model_state_dict(self.model, state["model"])
-            else:
-                self.model.load_state_dict(state["model"])
+            self.strategy.load_model_state_dict(self.model, state["model"])
         except (RuntimeError, KeyError) as exc:
-            reference = self._fsdp.full_model_state_dict(self.model) if self._fsdp is not None else self.model.state_dict()
+            reference = self.strategy.model_state_dict(self.model)
             detail = state_dict_mismatch(reference, state["model"]) or first_line(exc)
             raise CheckpointError(f"it does not fit model {type(self.model).__name__}: {detail}") from exc
         self.num_updates = int(state["num_updates"])
@@ -376,28 +330,13 @@ class Trainer:
                 )
             settings = _settings(self.optimizer)  # as built from the command line
             try:
-                if self._fsdp is not None:
-                    self._fsdp.load_full_optimizer_state_dict(self.model, self.optimizer, self.params,
-                                                              state["optimizer"])
-                else:
-                    self.optimizer.load_state_dict(state["optimizer"])
+                self.strategy.load_optimizer_state_dict(self.model, self.optimizer, self.params, state["optimizer"])
             except (ValueError, KeyError, IndexError, RuntimeError) as exc:
                 raise CheckpointError(f"optimizer state does not fit: {first_line(exc)}; "
                                       f"pass --reset-optimizer to start it afresh") from exc
             self.optimizer_overrides = _override_settings(self.optimizer, settings)
             self.lr_scheduler.load_state_dict(state["lr_scheduler"])
         self.lr_scheduler.step_update(self.num_updates)
-
-
-def _fully_shard(model: nn.Module, config: TrainerConfig, context: DistributedContext) -> ModuleType:
-    """Shard ``model`` with FSDP2 (in place); returns the module of helpers for sharded state."""
-    if not context.is_distributed:
-        raise ConfigError("--ddp-backend fully_sharded needs more than one process (--distributed-world-size N)")
-    from hetfair.distributed import fsdp  # torch's FSDP and distributed checkpoint: imported only when used
-
-    units = model.sharding_units() if isinstance(model, HetfairModel) else []
-    fsdp.shard_model(model, units, config.reshard_after_forward)
-    return fsdp
 
 
 _NOT_SETTINGS = ("params", "lr", "initial_lr")  # the learning rate belongs to the LR scheduler

@@ -11,57 +11,57 @@ from typing import Optional
 
 import torch
 
-from hetfair.balance import BalanceConfig, LoadBalancer
+from hetfair.balance import LoadBalancer
 from hetfair.checkpoint import CheckpointConfig, Checkpointer, Stateful
 from hetfair.data.epoch_updates import EpochSchedule, EpochUpdates, Update
 from hetfair.data.rank_batches import dummy_batch
 from hetfair.data.update_shape import UpdateShape
-from hetfair.distributed.collectives import all_gather_ints
 from hetfair.distributed.context import DistributedContext
 from hetfair.distributed.preemption import StopAgreement, requested_by
 from hetfair.distributed.stats import UpdateResult
-from hetfair.distributed.zero import shard_report
 from hetfair.errors import ConfigError, Preempted
 from hetfair.logging.meters import IntervalStats, Stopwatch
 from hetfair.logging.progress import Progress, format_metric
 from hetfair.logging.tensorboard import TensorBoardLogger
 from hetfair.options import plain_config
-from hetfair.precision import LossScaleConfig, gather_precisions, job_loss_scaler
+from hetfair.precision import job_loss_scaler
 from hetfair.rng import RngState, seed_everything
+from hetfair.run_config import DataConfig, LoopConfig, RunConfig
 from hetfair.run_state import BalancerPart, BatchPart, Position, TrainingClock
+from hetfair.startup import LOSS_SCALE, PARALLELISM, JobFacts, RankFacts, agree_at_start_up
 from hetfair.tasks import TASK_REGISTRY, Task
 from hetfair.trainer import Trainer
 from hetfair.utils import check_output_dir
 from hetfair.validation import Validator
 
 
-def local_capacity(args: argparse.Namespace, task: Task, max_sentences: Optional[int]) -> int:
+def local_capacity(data: DataConfig, task: Task, max_sentences: Optional[int]) -> int:
     """Samples this process takes per micro-batch, from ``--max-sentences`` and/or ``--max-tokens``."""
     capacity = max_sentences if max_sentences is not None else math.inf
-    if args.max_tokens is not None:
+    if data.max_tokens is not None:
         positions = task.max_positions()
         if positions is None:
-            raise ConfigError(f"task '{args.task}' has no fixed sample length; use --max-sentences instead of --max-tokens")
-        if args.max_tokens < positions:
-            raise ConfigError(f"--max-tokens {args.max_tokens} is smaller than one sample ({positions} tokens)")
-        capacity = min(capacity, args.max_tokens // positions)
+            raise ConfigError(f"task '{data.task}' has no fixed sample length; use --max-sentences instead of --max-tokens")
+        if data.max_tokens < positions:
+            raise ConfigError(f"--max-tokens {data.max_tokens} is smaller than one sample ({positions} tokens)")
+        capacity = min(capacity, data.max_tokens // positions)
     return int(capacity)
 
 
-def command_shape(args: argparse.Namespace, caps: list[int]) -> UpdateShape:
+def command_shape(data: DataConfig, caps: list[int]) -> UpdateShape:
     """The updates of a fresh run: ``--global-batch-size`` samples per step (default: the sum of the
     per-rank batch sizes), ``--update-freq`` steps each (default 1)."""
-    return UpdateShape.of(args.global_batch_size or sum(caps), args.update_freq or 1)
+    return UpdateShape.of(data.global_batch_size or sum(caps), data.update_freq or 1)
 
 
-def resumed_shape(args: argparse.Namespace, saved: UpdateShape) -> UpdateShape:
+def resumed_shape(data: DataConfig, saved: UpdateShape) -> UpdateShape:
     """The updates of a run resumed from a checkpoint of ``saved`` updates.
 
     Only flags on the command line count, never defaults: without ``--update-freq`` the update
     keeps the checkpoint's samples (``--global-batch-size`` alone must divide them); with it, the
     update is ``--global-batch-size`` (default: the checkpoint's) times ``--update-freq``.
     """
-    step, freq = args.global_batch_size, args.update_freq
+    step, freq = data.global_batch_size, data.update_freq
     if freq is not None:
         return UpdateShape.of(step or saved.step_size, freq)
     if step is None:
@@ -73,19 +73,19 @@ def resumed_shape(args: argparse.Namespace, saved: UpdateShape) -> UpdateShape:
     return UpdateShape.of(step, saved.update_size // step)
 
 
-def fit_shape(args: argparse.Namespace, nominal: UpdateShape, caps: list[int], steps_free: bool = False) -> UpdateShape:
+def fit_shape(data: DataConfig, nominal: UpdateShape, caps: list[int], steps_free: bool = False) -> UpdateShape:
     """``nominal`` cut into steps the ranks can hold: more steps per update when one step does not fit,
     unless ``--fixed-update-freq`` forbids it. ``steps_free``: nothing chose the steps (a resumed run
     without batch flags or balancing), so each update takes as few as the ranks hold, fewer than
     ``nominal``'s too."""
     planned = UpdateShape(nominal.update_size, nominal.update_size) if steps_free else nominal
     shape = planned.fitted(sum(caps))
-    if shape != nominal and args.fixed_update_freq:
+    if shape != nominal and data.fixed_update_freq:
         raise ConfigError(
             f"the global batch of {nominal.step_size} samples does not fit in one step of {len(caps)} process(es) "
             f"with batch sizes {caps} ({sum(caps)} together) and --fixed-update-freq forbids more steps per update; "
             f"drop --fixed-update-freq, raise --max-sentences or add processes")
-    if args.auto_balance and shape.step_size < len(caps):
+    if data.auto_balance and shape.step_size < len(caps):
         raise ConfigError(f"--auto-balance needs a --global-batch-size of at least one sample per process "
                           f"({len(caps)})")
     return shape
@@ -98,12 +98,13 @@ def check_before_start(args: argparse.Namespace) -> None:
     both unlimited is refused rather than training forever), its checkpoint and TensorBoard
     directories must be writable and a named ``--restore-file`` must exist.
     """
-    if not args.max_epoch and not args.max_update:
+    loop = LoopConfig.from_args(args)
+    if not loop.max_epoch and not loop.max_update:
         raise ConfigError("training would never end: give --max-epoch N or --max-update N "
                           "(0 means no limit on that count; one of them needs a limit)")
     CheckpointConfig.from_args(args).check_paths()
-    if args.tensorboard_logdir:
-        check_output_dir("--tensorboard-logdir", args.tensorboard_logdir)
+    if loop.tensorboard_logdir:
+        check_output_dir("--tensorboard-logdir", loop.tensorboard_logdir)
 
 
 def train(args: argparse.Namespace, context: DistributedContext) -> None:
@@ -118,45 +119,59 @@ def train(args: argparse.Namespace, context: DistributedContext) -> None:
 
 
 class TrainingRun:
-    """One process's training run: set-up, the epoch/update loop, validation and checkpoints as scheduled."""
+    """One process's training run: set-up, the epoch/update loop, validation and checkpoints as scheduled.
+
+    The loop reads its :class:`RunConfig` sections; ``args`` go to the components (task, model,
+    criterion, optimizer, schedule) and, as plain data, into checkpoints.
+    """
 
     def __init__(self, args: argparse.Namespace, context: DistributedContext,
                  progress: Optional[Progress] = None) -> None:
         self.args = args
+        self.config = config = RunConfig.from_args(args, context.world_size, balance_lag=Trainer.TIMINGS_LAG)
         self.context = context
-        self.progress = progress or Progress(args.log_format, enabled=context.is_master)
-        seed_everything(args.seed)
+        self.progress = progress or Progress(config.loop.log_format, enabled=context.is_master)
+        seed_everything(config.loop.seed)
         self.task = TASK_REGISTRY.get(args.task).setup_task(args)
-        self.train_data = self.task.dataset(args.train_subset)
+        self.train_data = self.task.dataset(config.data.train_subset)
         model = self.task.build_model(args)
         criterion = self.task.build_criterion(args)
-        self.precisions = gather_precisions(context, args.precision)
-        loss_scaler = job_loss_scaler(context, self.precisions, LossScaleConfig.from_args(args, context.world_size))
+        job = self._agree()
+        self.precisions = job.precisions
         self.trainer = Trainer.from_args(args, model, criterion, context,
-                                         dummy_batch(self.train_data, self.task.collater), loss_scaler)
-        self.caps = all_gather_ints(context, local_capacity(args, self.task, args.max_sentences))
-        valid_caps = all_gather_ints(context, local_capacity(args, self.task,
-                                                             args.max_sentences_valid or args.max_sentences))
-        self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, valid_caps,
-                                   args.num_workers, forward_every_batch=args.ddp_backend == "fully_sharded")
-        self.nominal_shape = command_shape(args, self.caps)
-        self.shape = fit_shape(args, self.nominal_shape, self.caps)
+                                         dummy_batch(self.train_data, self.task.collater),
+                                         job_loss_scaler(job.precisions, config.precision.loss_scale))
+        self.caps = job.train_caps
+        self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, job.valid_caps,
+                                   config.data.num_workers,
+                                   forward_every_batch=self.trainer.strategy.joins_every_micro_batch)
+        self.nominal_shape = command_shape(config.data, self.caps)
+        self.shape = fit_shape(config.data, self.nominal_shape, self.caps)
         self.balancer = self._new_balancer()
         self.position = Position()
         self.clock = TrainingClock()
-        self.tensorboard = TensorBoardLogger(args.tensorboard_logdir, enabled=context.is_master)
+        self.tensorboard = TensorBoardLogger(config.loop.tensorboard_logdir, enabled=context.is_master)
         reduce_metrics = self.trainer.criterion.reduce_metrics
         self.interval = IntervalStats(reduce_metrics)
         self.epoch_stats = IntervalStats(reduce_metrics)
         self.stopwatch = Stopwatch()  # each update's seconds, for ups/wps
-        self.checkpointer = Checkpointer(CheckpointConfig.from_args(args), self._checkpoint_parts(),
+        self.checkpointer = Checkpointer(config.checkpoint, self._checkpoint_parts(),
                                          plain_config(args), context.is_master)
-        self._shards_to_report = args.zero_sharding == "os"
+        self._shards_to_report = True  # after the first update, if the strategy has any
         self.preemption = StopAgreement(context)
         self.preempted = False  # every rank agreed to save and stop after the current update
         self._check_best_metric_exists()
         self.restored_from = self._restore()
         self._announce(model)
+
+    def _agree(self) -> JobFacts:
+        """The one start-up exchange: every rank's precision and batch sizes; the shared settings checked."""
+        config, data = self.config, self.config.data
+        own = RankFacts(config.precision.precision, local_capacity(data, self.task, data.max_sentences),
+                        local_capacity(data, self.task, data.max_sentences_valid or data.max_sentences),
+                        {PARALLELISM: config.parallel.shared_settings(),
+                         LOSS_SCALE: config.precision.loss_scale.shared_settings()})
+        return agree_at_start_up(self.context, own)
 
     def _checkpoint_parts(self) -> dict[str, Stateful]:
         parts: dict[str, Stateful] = {"trainer": self.trainer, "position": self.position, "clock": self.clock,
@@ -170,23 +185,23 @@ class TrainingRun:
         return parts
 
     def _new_balancer(self) -> Optional[LoadBalancer]:
-        if not self.args.auto_balance:
+        if not self.config.data.auto_balance:
             return None
-        return LoadBalancer(self.caps, self.shape.step_size, BalanceConfig.from_args(self.args, lag=Trainer.TIMINGS_LAG))
+        return LoadBalancer(self.caps, self.shape.step_size, self.config.balance)
 
     def _restore_shape(self, saved: UpdateShape) -> None:
         """Keep the checkpoint's updates (its samples per update) on this run's ranks, unless the
         command line asks for others; balancing then starts afresh on the new steps."""
-        args = self.args
-        nominal = resumed_shape(args, saved)
+        data = self.config.data
+        nominal = resumed_shape(data, saved)
         if nominal.update_size != saved.update_size:
             self._notice(f"restore | the command line's global batch {nominal.step_size} x --update-freq "
                          f"{nominal.steps_per_update} replaces the checkpoint's {saved.step_size} x "
                          f"{saved.steps_per_update}: the updates differ from those of the run that wrote it")
         self.nominal_shape = nominal
-        typed = args.global_batch_size is not None or args.update_freq is not None
-        steps_free = not (typed or args.fixed_update_freq or args.auto_balance)  # balancing needs the step's room
-        self.shape = fit_shape(args, nominal, self.caps, steps_free)
+        typed = data.global_batch_size is not None or data.update_freq is not None
+        steps_free = not (typed or data.fixed_update_freq or data.auto_balance)  # balancing needs the step's room
+        self.shape = fit_shape(data, nominal, self.caps, steps_free)
         self.balancer = self._new_balancer()
 
     # -- the loop ----------------------------------------------------------------
@@ -209,19 +224,19 @@ class TrainingRun:
 
     def should_stop(self) -> bool:
         """The stopping rule: preempted, ``--max-update`` updates done, or every epoch up to ``--max-epoch`` done."""
-        args = self.args
+        loop = self.config.loop
         if self.preempted:
             return True
-        if args.max_update and self.trainer.num_updates >= args.max_update:
+        if loop.max_update and self.trainer.num_updates >= loop.max_update:
             return True
-        return bool(args.max_epoch) and self.position.epoch > args.max_epoch
+        return bool(loop.max_epoch) and self.position.epoch > loop.max_epoch
 
     def _stop_reason(self) -> str:
         """The limit :meth:`should_stop` hit, as the flag that set it: ``--max-update 500``."""
-        args = self.args
-        if args.max_update and self.trainer.num_updates >= args.max_update:
-            return f"--max-update {args.max_update}"
-        return f"--max-epoch {args.max_epoch}"
+        loop = self.config.loop
+        if loop.max_update and self.trainer.num_updates >= loop.max_update:
+            return f"--max-update {loop.max_update}"
+        return f"--max-epoch {loop.max_epoch}"
 
     def _nothing_to_do(self) -> str:
         reason = self._stop_reason()
@@ -256,11 +271,10 @@ class TrainingRun:
         self.end_epoch()
 
     def _epoch_updates(self) -> EpochUpdates:
-        args = self.args
-        schedule = EpochSchedule(self.caps, self.shape, args.seed)
+        schedule = EpochSchedule(self.caps, self.shape, self.config.loop.seed)
         return EpochUpdates(self.train_data, self.task.collater, schedule, self.context.rank, self.position.epoch,
                             start=self.position.samples_done, split=self._current_split,
-                            num_workers=args.num_workers, pin_memory=self.context.device.type == "cuda")
+                            num_workers=self.config.data.num_workers, pin_memory=self.context.device.type == "cuda")
 
     def _current_split(self) -> Optional[list[int]]:
         """The per-rank shares of each global batch: the balancer's, else proportional to the batch sizes."""
@@ -290,26 +304,28 @@ class TrainingRun:
             self._log("balance", {f"split{rank}": count for rank, count in enumerate(split)})
 
     def _report_optimizer_shards(self) -> None:
-        """Log each rank's shard and optimizer-state bytes once, after the first update (a collective)."""
+        """Log each rank's shard and optimizer-state bytes once, after the first update (a collective where
+        the strategy shards them)."""
         self._shards_to_report = False
-        report = shard_report(self.trainer.optimizer, self.context)
-        self.progress.log("zero", report, self.position.epoch, self.trainer.num_updates)
+        report = self.trainer.strategy.shard_report(self.trainer.optimizer)
+        if report:
+            self.progress.log("zero", report, self.position.epoch, self.trainer.num_updates)
 
     # -- what is due between updates and after epochs ----------------------------------
     def after_update(self, stopping: bool, end_of_epoch: bool = False) -> None:
         """Log every ``--log-interval`` updates and at the end of an epoch or run; inside an epoch,
         validate and save as the ``--*-interval-updates`` say (all of them when ``stopping``, but
         a preempted run only saves)."""
-        args, num_updates = self.args, self.trainer.num_updates
-        if num_updates % args.log_interval == 0 or end_of_epoch or stopping:
+        loop, num_updates = self.config.loop, self.trainer.num_updates
+        if num_updates % loop.log_interval == 0 or end_of_epoch or stopping:
             self._log("train_inner", self.interval.metrics())
             self.interval.reset()
         if end_of_epoch:
             return  # end_epoch() validates and saves
         valid_metric = None
-        if (stopping and not self.preempted) or _every(args.validate_interval_updates, num_updates):
+        if (stopping and not self.preempted) or _every(loop.validate_interval_updates, num_updates):
             valid_metric = self.validate()
-        if stopping or _every(args.save_interval_updates, num_updates):
+        if stopping or _every(self.config.checkpoint.save_interval_updates, num_updates):
             self.checkpointer.save(self.position.epoch, num_updates, end_of_epoch=False, valid_metric=valid_metric)
         if stopping:
             self._log("train", self.epoch_stats.metrics())
@@ -321,25 +337,25 @@ class TrainingRun:
         self._log("train", self.epoch_stats.metrics())
         self.epoch_stats.reset()
         valid_metric = None
-        if finished_epoch % self.args.validate_interval == 0 or self._is_last_epoch(finished_epoch):
+        if finished_epoch % self.config.loop.validate_interval == 0 or self._is_last_epoch(finished_epoch):
             valid_metric = self.validate()
         self.trainer.lr_scheduler.step_epoch(finished_epoch, valid_metric)
         self.position.epoch, self.position.samples_done = finished_epoch + 1, 0
         self.checkpointer.save(finished_epoch, self.trainer.num_updates, end_of_epoch=True, valid_metric=valid_metric)
 
     def _is_last_epoch(self, epoch: int) -> bool:
-        args = self.args
-        return (bool(args.max_epoch) and epoch >= args.max_epoch) or (
-            bool(args.max_update) and self.trainer.num_updates >= args.max_update
+        loop = self.config.loop
+        return (bool(loop.max_epoch) and epoch >= loop.max_epoch) or (
+            bool(loop.max_update) and self.trainer.num_updates >= loop.max_update
         )
 
     # -- validation -----------------------------------------------------------------
     def validate(self) -> Optional[float]:
         """Validate on every ``--valid-subset``; return the first one's best-checkpoint metric."""
-        if self.args.disable_validation:
+        if self.config.loop.disable_validation:
             return None
         first_metric = None
-        for subset in self.args.valid_subset.split(","):
+        for subset in self.config.loop.valid_subsets:
             metrics = self.validator.metrics(subset)
             self._log(subset, metrics)
             if first_metric is None:
@@ -348,13 +364,13 @@ class TrainingRun:
 
     def _check_best_metric_exists(self) -> None:
         """Fail at start-up, not after an epoch, when the best-checkpoint metric is not reported."""
-        if self.args.disable_validation or self.args.no_save:
+        if self.config.loop.disable_validation or self.config.checkpoint.no_save:
             return
-        keys = self.validator.log_keys(self.args.valid_subset.split(",")[0])
+        keys = self.validator.log_keys(self.config.loop.valid_subsets[0])
         self._best_metric(self.trainer.criterion.reduce_metrics(dict.fromkeys(keys, 0.0)))
 
     def _best_metric(self, metrics: dict[str, float]) -> float:
-        name = self.args.best_checkpoint_metric
+        name = self.config.loop.best_checkpoint_metric
         if name not in metrics:
             raise ConfigError(
                 f"--best-checkpoint-metric {name} is not reported by the criterion; choose one of: "
@@ -415,7 +431,7 @@ class TrainingRun:
         fields = [f"num_updates {self.trainer.num_updates}", f"epochs {epochs}",
                   f"wall {timedelta(seconds=round(self.clock.seconds()))}"]
         if checkpoints.best_metric is not None:
-            name = self.args.best_checkpoint_metric
+            name = self.config.loop.best_checkpoint_metric
             fields.append(f"best {name} {format_metric(name, checkpoints.best_metric)} "
                           f"({checkpoints.config.save_dir / 'checkpoint_best.pt'})")
         if not checkpoints.config.no_save:

@@ -17,7 +17,8 @@ import torch.distributed as dist
 from helpers import TOY_PLUGIN
 from hetfair.distributed.context import DistributedContext
 from hetfair.options import parse_train_args
-from hetfair.precision import LossScaleConfig, gather_precisions, job_loss_scaler
+from hetfair.precision import LossScaleConfig, job_loss_scaler
+from hetfair.startup import LOSS_SCALE, RankFacts, agree_at_start_up
 from hetfair.tasks import TASK_REGISTRY
 from hetfair.trainer import Trainer
 
@@ -47,8 +48,10 @@ def train(context: DistributedContext) -> list[dict]:
     task = TASK_REGISTRY.get("toy").setup_task(args)
     data = task.dataset("train")
     model = task.build_model(args)
-    precisions = gather_precisions(context, args.precision)
-    scaler = job_loss_scaler(context, precisions, LossScaleConfig.from_args(args, context.world_size))
+    loss_scale = LossScaleConfig.from_args(args, context.world_size)
+    job = agree_at_start_up(context, RankFacts(args.precision, PER_RANK, PER_RANK,
+                                               {LOSS_SCALE: loss_scale.shared_settings()}))
+    scaler = job_loss_scaler(job.precisions, loss_scale)
     trainer = Trainer.from_args(args, model, task.build_criterion(args), context, task.collater([data[0]]), scaler)
     records = []
     for step in range(STEPS):

@@ -19,6 +19,7 @@ from hetfair.errors import ConfigError, DataError
 from hetfair.optim import LR_SCHEDULER_REGISTRY
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY
+from hetfair.run_config import DataConfig
 from hetfair.training import local_capacity
 from hetfair_cli.train import main as train_main
 
@@ -89,7 +90,7 @@ def test_begin_epoch_redraws_training_masks_but_not_validation_masks(data) -> No
 
 def test_max_tokens_becomes_a_sample_count_through_tokens_per_sample(data) -> None:
     args, task = setup(data[0], "--tokens-per-sample", "64", "--max-tokens", "1000")
-    assert task.max_positions() == 64 and local_capacity(args, task, None) == 15
+    assert task.max_positions() == 64 and local_capacity(DataConfig.from_args(args), task, None) == 15
     assert max(len(task.dataset("train")[i]["input_ids"]) for i in range(len(task.dataset("train")))) <= 64
 
 

@@ -320,3 +320,15 @@ def test_plain_config_holds_only_plain_data(user_dir):
     config = plain_config(parse(user_dir, "--cpu"))
     assert config["clitest_hidden"] == 4 and config["cpu"] is True and config["model"] == "clitest_model"
     assert all(value is None or isinstance(value, (bool, int, float, str, list)) for value in config.values())
+
+
+def test_every_numeric_core_option_declares_its_bounds():
+    """Bounds live next to each option (checked after parsing, plugin defaults included), not in a table."""
+    from hetfair.distributed.per_process import PerProcessValues
+    from hetfair.options import Bounds, build_parser
+
+    numeric = [action for action in build_parser()._actions
+               if action.type in (int, float) or isinstance(action.type, PerProcessValues)]
+    undeclared = [action.option_strings[0] for action in numeric
+                  if not isinstance(getattr(action, "bounds", None), Bounds)]
+    assert numeric and not undeclared, f"numeric options without bounds: {undeclared}"

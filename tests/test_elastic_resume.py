@@ -27,6 +27,7 @@ from hetfair.distributed.stats import UpdateResult
 from hetfair.errors import ConfigError
 from hetfair.logging.meters import IntervalStats
 from hetfair.options import parse_train_args
+from hetfair.run_config import DataConfig
 from hetfair.training import resumed_shape
 from hetfair_cli.train import main as train_main
 from helpers import TOY_PLUGIN, final_parameters, run_nodes
@@ -135,14 +136,14 @@ SAVED = UpdateShape.of(12, 2)
     (("--global-batch-size", "8", "--update-freq", "1"), UpdateShape.of(8, 1)),
 ])
 def test_a_resumed_run_takes_only_typed_flags_over_the_checkpoints_updates(typed, expected):
-    assert resumed_shape(toy("--max-sentences", "24", *typed), SAVED) == expected
+    assert resumed_shape(DataConfig.from_args(toy("--max-sentences", "24", *typed)), SAVED) == expected
 
 
 def test_a_global_batch_that_does_not_divide_the_checkpoints_update_is_one_line():
     with pytest.raises(ConfigError, match=r"^--global-batch-size 10 does not divide the checkpoint's 24 samples per "
                                           r"update \(12 x --update-freq 2\); give a global batch that divides it, or "
                                           r"add --update-freq N to train updates of 10 x N samples$"):
-        resumed_shape(toy("--max-sentences", "24", "--global-batch-size", "10"), SAVED)
+        resumed_shape(DataConfig.from_args(toy("--max-sentences", "24", "--global-batch-size", "10")), SAVED)
 
 
 def test_a_resume_on_another_shape_without_update_freq_keeps_the_checkpoints_samples_per_update(tmp_path, capsys):

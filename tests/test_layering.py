@@ -26,14 +26,15 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair",),  # the public API: hetfair.register_*, hetfair.load_model (imported lazily)
     ("hetfair.training", "hetfair.evaluate", "hetfair.pretrained"),  # the training loop, hetfair-validate's program
     ("hetfair.checkpoint", "hetfair.checkpoint_writer", "hetfair.trainer", "hetfair.validation",
-     "hetfair.run_state"),  # their parts
+     "hetfair.run_state", "hetfair.startup", "hetfair.run_config"),  # their parts
     ("hetfair.balance", "hetfair.logging", "hetfair.data"),  # engine services
     ("hetfair.options", "hetfair.inventory"),  # the command line's options, --list-plugins
     ("hetfair.bert",),  # hetfair's own plugin family (see PLUGIN_FAMILIES)
     ("hetfair.tasks",),  # the Task base class
     ("hetfair.models", "hetfair.criteria", "hetfair.optim"),  # component base classes and registries
     ("hetfair.precision", "hetfair.compile"),  # autocast per process, the job's one loss scale; --compile
-    ("hetfair.distributed",),  # process groups, launching, collectives: no knowledge of components
+    ("hetfair.distributed", "hetfair.parallel"),  # process groups, launching, collectives, parallelism
+    # strategies: no knowledge of components
     ("hetfair.registry", "hetfair.plugins"),  # the generic registry, plugin discovery
     ("hetfair.errors", "hetfair.utils", "hetfair.rng"),  # leaves
 ]
@@ -193,3 +194,40 @@ def test_engine_does_not_import_plugin_families():
     ]
     assert not violations, ("plugin families are found through entry points, not imported:\n"
                             + "\n".join(violations))
+
+
+def import_cycles() -> list[list[str]]:
+    """Groups of modules that import each other, directly or round a circle (Tarjan's strongly connected
+    components). A package importing its own submodules (registering built-ins) is not counted."""
+    graph: dict[str, set[str]] = {}
+    for imp in all_imports():
+        if imp.target in MODULES and imp.target != imp.importer and not imp.target.startswith(imp.importer + "."):
+            graph.setdefault(imp.importer, set()).add(imp.target)
+    order: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    cycles: list[list[str]] = []
+
+    def visit(module: str) -> None:
+        order[module] = low[module] = len(order)
+        stack.append(module)
+        for target in sorted(graph.get(module, ())):
+            if target not in order:
+                visit(target)
+                low[module] = min(low[module], low[target])
+            elif target in stack:
+                low[module] = min(low[module], order[target])
+        if low[module] == order[module]:
+            group = stack[stack.index(module):]
+            del stack[stack.index(module):]
+            if len(group) > 1:
+                cycles.append(sorted(group))
+
+    for module in sorted(MODULES):
+        if module not in order:
+            visit(module)
+    return cycles
+
+
+def test_no_import_cycles():
+    assert not import_cycles(), f"modules that import each other (in functions too): {import_cycles()}"

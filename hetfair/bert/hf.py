@@ -16,8 +16,8 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
+from hetfair.bert.config import ACTIVATIONS, BertConfig
 from hetfair.bert.hf_tokenizer import hf_vocabulary_tokens
-from hetfair.bert.model import ACTIVATIONS, BertConfig
 from hetfair.errors import CheckpointError, ConfigError
 
 CONFIG_FILE = "config.json"

@@ -11,6 +11,7 @@ CRITERION_REGISTRY: Registry[type[HetfairCriterion]] = Registry(
     HetfairCriterion,
     entry_point_group="hetfair.criteria",
     builtin_modules=["hetfair.criteria.cross_entropy"],
+    plural="criteria",
 )
 register_criterion = CRITERION_REGISTRY.register
 

@@ -24,7 +24,7 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0 only
@@ -36,10 +36,6 @@ def shard_model(model: nn.Module, units: Sequence[nn.Module], reshard_after_forw
     for unit in units:
         fully_shard(unit, reshard_after_forward=reshard_after_forward)
     fully_shard(model, reshard_after_forward=reshard_after_forward)
-
-
-def is_fully_sharded(model: nn.Module) -> bool:
-    return isinstance(model, FSDPModule)
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:

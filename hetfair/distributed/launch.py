@@ -52,8 +52,8 @@ from hetfair.distributed.rendezvous import (
 from hetfair.distributed.slurm import first_host, in_slurm_job, node_of, tasks_on_this_node
 from hetfair.distributed.preemption import preemptible
 from hetfair.distributed.supervisor import deadline, exit_with_parent, run_workers
-from hetfair.distributed.zero import ShardingConfig, check_sharding
 from hetfair.errors import ConfigError, DistributedError, Preempted, first_line
+from hetfair.parallel import ParallelConfig, check_strategy_world
 from hetfair.plugins import import_user_dir
 
 _RENDEZVOUS_GRACE_SECONDS = 5.0
@@ -162,7 +162,7 @@ def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
     plan = plan_launch(args, os.environ)
     if TORCHRUN_ENV in os.environ:
         exit_with_parent()  # torchrun killed by SIGKILL must not leave its workers training on
-    check_sharding(ShardingConfig.from_args(args), plan.world_size)
+    check_strategy_world(ParallelConfig.from_args(args), plan.world_size)
     plan.check_counts(args)
     if plan.world_size == 1:
         with preemptible():

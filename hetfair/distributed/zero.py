@@ -14,8 +14,6 @@ from __future__ import annotations
 import argparse
 import math
 import sys
-import zlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Optional
 
 import torch
@@ -28,50 +26,19 @@ if TYPE_CHECKING:
     from hetfair.optim import HetfairOptimizer
 
 
-@dataclass(frozen=True)
-class ShardingConfig:
-    """``--zero-sharding`` (``none`` or ``os``), ``--zero-shard-weights`` (text, as given), ``--ddp-backend``."""
-
-    zero_sharding: str = "none"
-    zero_shard_weights: Optional[str] = None
-    ddp_backend: str = "c10d"
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace) -> "ShardingConfig":
-        return cls(args.zero_sharding, args.zero_shard_weights, args.ddp_backend)
-
-
-def build_optimizer(
+def build_sharded_optimizer(
     recipe: type["HetfairOptimizer"],
     args: argparse.Namespace,
     params: list[torch.nn.Parameter],
-    context: DistributedContext,
-    sharding: ShardingConfig,
+    shard_weights: Optional[str],
+    world_size: int,
 ) -> torch.optim.Optimizer:
-    """``recipe``'s optimizer over ``params`` (its flags in ``args``), sharded across ranks for ``os``."""
-    if sharding.zero_sharding == "none":
-        return recipe.build(args, params)
-    check_sharding(sharding, context.world_size)
-    weights = (parse_shard_weights(sharding.zero_shard_weights, context.world_size)
-               if sharding.zero_shard_weights else None)
+    """``recipe``'s optimizer over ``params`` (its flags in ``args``), its state sharded across the ranks
+    (in proportion to ``--zero-shard-weights`` when given)."""
+    weights = parse_shard_weights(shard_weights, world_size) if shard_weights else None
     from hetfair.distributed.zero_optimizer import ShardedOptimizer  # torch.distributed.optim costs 0.65 s to import
 
     return ShardedOptimizer(params, recipe.torch_class, weights, **recipe.build_kwargs(args, params))
-
-
-def check_ranks_agree(sharding: ShardingConfig, context: DistributedContext) -> None:
-    """Fail on every rank, rather than hang or diverge, when nodes were given different sharding flags."""
-    if not context.is_distributed:
-        return
-    setting = f"{sharding.zero_sharding}|{sharding.zero_shard_weights}|{sharding.ddp_backend}"
-    fingerprints = all_gather_ints(context, zlib.crc32(setting.encode()))
-    if len(set(fingerprints)) > 1:
-        differing = [rank for rank, value in enumerate(fingerprints) if value != fingerprints[0]]
-        raise ConfigError(
-            f"ranks {differing} were given other --zero-sharding/--zero-shard-weights than rank 0 "
-            f"(or another --ddp-backend); "
-            f"give every node's command the same values"
-        )
 
 
 def parse_shard_weights(text: str, world_size: Optional[int] = None) -> list[float]:
@@ -89,14 +56,14 @@ def parse_shard_weights(text: str, world_size: Optional[int] = None) -> list[flo
     return weights
 
 
-def check_sharding(sharding: ShardingConfig, world_size: int) -> None:
+def check_sharding(zero_sharding: str, zero_shard_weights: Optional[str], world_size: int) -> None:
     """What can be checked once the world size is known, before any process starts."""
-    if sharding.zero_sharding == "none":
+    if zero_sharding == "none":
         return
     if world_size < 2:
         raise ConfigError("--zero-sharding os needs more than one process (--distributed-world-size N)")
-    if sharding.zero_shard_weights:
-        parse_shard_weights(sharding.zero_shard_weights, world_size)
+    if zero_shard_weights:
+        parse_shard_weights(zero_shard_weights, world_size)
 
 
 def is_sharded(optimizer: torch.optim.Optimizer) -> bool:

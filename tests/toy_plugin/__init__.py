@@ -81,3 +81,6 @@ class LossOnlyCriterion(HetfairCriterion):
     def forward(self, model: torch.nn.Module, sample: dict) -> tuple[torch.Tensor, int, dict[str, float]]:
         loss = F.cross_entropy(model(**sample["net_input"]), sample["target"], reduction="sum")
         return loss, len(sample["target"]), {"loss": float(loss.detach())}
+
+
+from toy_plugin import strategy  # noqa: E402,F401  (registers the toy_allreduce strategy)

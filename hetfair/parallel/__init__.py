@@ -1,0 +1,34 @@
+"""In-training parallelism: one :class:`Strategy` per mode, chosen by ``--ddp-backend NAME`` from a registry."""
+
+from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.config import ParallelConfig
+from hetfair.parallel.strategy import Strategy
+from hetfair.registry import Registry
+
+STRATEGY_REGISTRY: Registry[type[Strategy]] = Registry(
+    "strategy",
+    Strategy,
+    entry_point_group="hetfair.strategies",
+    builtin_modules=["hetfair.parallel.replicated", "hetfair.parallel.fully_sharded"],
+    plural="strategies",
+)
+register_strategy = STRATEGY_REGISTRY.register
+
+
+def check_strategy_options(config: ParallelConfig) -> None:
+    """The chosen strategy exists and accepts the other flags (at option parsing)."""
+    STRATEGY_REGISTRY.get(config.ddp_backend).check_options(config)
+
+
+def check_strategy_world(config: ParallelConfig, world_size: int) -> None:
+    """The chosen strategy can run on ``world_size`` processes (before any process starts)."""
+    STRATEGY_REGISTRY.get(config.ddp_backend).check_world(config, world_size)
+
+
+def build_strategy(config: ParallelConfig, context: DistributedContext) -> Strategy:
+    """The strategy ``config.ddp_backend`` names, for this process."""
+    return STRATEGY_REGISTRY.get(config.ddp_backend)(config, context)
+
+
+__all__ = ["ParallelConfig", "Strategy", "STRATEGY_REGISTRY", "register_strategy", "build_strategy",
+           "check_strategy_options", "check_strategy_world"]

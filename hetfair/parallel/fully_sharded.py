@@ -1,0 +1,86 @@
+"""``--ddp-backend fully_sharded``: parameters, gradients and optimizer state sharded over the ranks (FSDP2).
+
+Each rank holds a shard of every gradient, so it normalises its shards in place,
+the ranks agree on an overflow in one small all-reduce, and the global norm is a
+collective. The model and optimizer state are gathered to the master in the plain
+format of any other run (:mod:`hetfair.distributed.fsdp`), so checkpoints move freely.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from types import ModuleType
+from typing import Any, ContextManager, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hetfair.errors import ConfigError
+from hetfair.parallel import register_strategy
+from hetfair.parallel.config import ParallelConfig
+from hetfair.parallel.strategy import Strategy
+
+
+def _fsdp() -> ModuleType:
+    from hetfair.distributed import fsdp  # torch's FSDP and distributed checkpoint: imported only when used
+
+    return fsdp
+
+
+@register_strategy("fully_sharded")
+class FullyShardedStrategy(Strategy):
+    """torch's ``fully_shard`` on each of the model's sharding units, then on the model itself."""
+
+    @classmethod
+    def check_options(cls, config: ParallelConfig) -> None:
+        if config.zero_sharding != "none" or config.zero_shard_weights is not None:
+            raise ConfigError("--ddp-backend fully_sharded already shards the optimizer state; drop --zero-sharding")
+
+    @classmethod
+    def check_world(cls, config: ParallelConfig, world_size: int) -> None:
+        if world_size < 2:
+            raise ConfigError("--ddp-backend fully_sharded needs more than one process (--distributed-world-size N)")
+
+    def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
+        _fsdp().shard_model(model, units, self.config.reshard_after_forward)
+
+    @property
+    def joins_every_micro_batch(self) -> bool:
+        return True  # every forward and backward gathers parameters
+
+    @property
+    def holds_full_gradients(self) -> bool:
+        return False
+
+    def gradient_sync(self, wrapped: nn.Module, is_last: bool) -> ContextManager[Any]:
+        _fsdp().set_gradient_sync(wrapped, is_last)
+        return nullcontext()
+
+    def local_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        return _fsdp().local_tensors(tensors)
+
+    def agree_on_overflow(self, found_inf: torch.Tensor) -> None:
+        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
+
+    def clip_grad_norm(self, params: Sequence[nn.Parameter], grads: list[torch.Tensor], owed: float,
+                       clip_norm: float) -> tuple[float, float]:
+        # owed is 1: the gradients were normalised in place (holds_full_gradients is False)
+        if clip_norm > 0:
+            return _fsdp().clip_grad_norm(params, clip_norm), 1.0
+        return _fsdp().total_norm(grads), 1.0
+
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        return _fsdp().full_model_state_dict(model)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        _fsdp().load_full_model_state_dict(model, state)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             params: Sequence[nn.Parameter]) -> Optional[dict[str, Any]]:
+        state = _fsdp().full_optimizer_state_dict(model, optimizer, params)
+        return state if self.context.is_master else None
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  params: Sequence[nn.Parameter], state: dict[str, Any]) -> None:
+        _fsdp().load_full_optimizer_state_dict(model, optimizer, params, state)

@@ -1,0 +1,79 @@
+"""``--ddp-backend c10d``: every rank holds the whole model; DDP all-reduces the gradients.
+
+With ``--zero-sharding os`` the optimizer state is sharded (ZeRO stage 1,
+:mod:`hetfair.distributed.zero`): only the optimizer changes, gradients stay full
+and identical on every rank, so normalising, clipping and overflows need no
+communication of their own.
+"""
+
+from __future__ import annotations
+
+import argparse
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, ContextManager, Optional, Sequence
+
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hetfair.distributed import zero
+from hetfair.errors import ConfigError
+from hetfair.parallel import register_strategy
+from hetfair.parallel.config import ParallelConfig
+from hetfair.parallel.strategy import Strategy
+
+if TYPE_CHECKING:
+    from hetfair.optim import HetfairOptimizer
+
+
+@register_strategy("c10d")
+class ReplicatedStrategy(Strategy):
+    """DistributedDataParallel over the whole model (nothing to wrap on one process); ZeRO-1 on request."""
+
+    @classmethod
+    def check_options(cls, config: ParallelConfig) -> None:
+        if config.zero_shard_weights is not None:
+            if config.zero_sharding != "os":
+                raise ConfigError("--zero-shard-weights needs --zero-sharding os")
+            zero.parse_shard_weights(config.zero_shard_weights)
+        if not config.reshard_after_forward:
+            raise ConfigError("--no-reshard-after-forward needs --ddp-backend fully_sharded")
+
+    @classmethod
+    def check_world(cls, config: ParallelConfig, world_size: int) -> None:
+        zero.check_sharding(config.zero_sharding, config.zero_shard_weights, world_size)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        if not self.context.is_distributed:
+            return model
+        device = self.context.device
+        return DistributedDataParallel(
+            model,
+            device_ids=[device.index] if device.type == "cuda" else None,
+            find_unused_parameters=self.config.find_unused_parameters,
+            bucket_cap_mb=self.config.bucket_cap_mb,
+            gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copy in or out
+        )
+
+    def build_optimizer(self, recipe: type["HetfairOptimizer"], args: argparse.Namespace,
+                        params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        if self.config.zero_sharding == "none":
+            return recipe.build(args, params)
+        return zero.build_sharded_optimizer(recipe, args, params, self.config.zero_shard_weights,
+                                            self.context.world_size)
+
+    @property
+    def joins_every_micro_batch(self) -> bool:
+        return False  # DDP communicates in the last micro-batch's backward only
+
+    def gradient_sync(self, wrapped: nn.Module, is_last: bool) -> ContextManager[Any]:
+        if is_last or not self.context.is_distributed:
+            return nullcontext()
+        return wrapped.no_sync()  # type: ignore[operator]
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             params: Sequence[nn.Parameter]) -> Optional[dict[str, Any]]:
+        return zero.full_state_dict(optimizer, self.context)
+
+    def shard_report(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        return zero.shard_report(optimizer, self.context)

@@ -1,0 +1,113 @@
+"""The :class:`Strategy` base: how a run spreads its model, gradients and state over the ranks.
+
+The trainer, the validator and the checkpoint call these operations and never ask
+which mode runs; a mode is one subclass in a file of its own, registered in
+:data:`hetfair.parallel.STRATEGY_REGISTRY` under the name ``--ddp-backend`` gives.
+The base class is the single-process behaviour (every tensor local and full, no
+communication), so a subclass overrides only what its mode changes.
+"""
+
+from __future__ import annotations
+
+import argparse
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, ContextManager, Optional, Sequence
+
+import torch
+from torch import nn
+
+from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.config import ParallelConfig
+
+if TYPE_CHECKING:
+    from hetfair.optim import HetfairOptimizer
+
+
+class Strategy:
+    """One parallelism mode of one process: built from the run's :class:`ParallelConfig` and its rank."""
+
+    def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
+        self.check_world(config, context.world_size)
+        self.config = config
+        self.context = context
+
+    # -- checks, before any compute ---------------------------------------------------
+    @classmethod
+    def check_options(cls, config: ParallelConfig) -> None:
+        """Refuse flags this mode cannot honour (a :class:`~hetfair.errors.ConfigError`); at option parsing."""
+
+    @classmethod
+    def check_world(cls, config: ParallelConfig, world_size: int) -> None:
+        """Refuse a world size this mode cannot run on; before any process starts."""
+
+    # -- the model and the optimizer ----------------------------------------------------------
+    def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
+        """Split ``model`` over the ranks in place, before it moves to the device; ``units`` are its own
+        sharding units (:meth:`~hetfair.models.HetfairModel.sharding_units`)."""
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        """The module forward passes run through (``model`` on its device, compiled if asked)."""
+        return model
+
+    def build_optimizer(self, recipe: type["HetfairOptimizer"], args: argparse.Namespace,
+                        params: list[nn.Parameter]) -> torch.optim.Optimizer:
+        """``recipe``'s optimizer over ``params`` (its flags in ``args``)."""
+        return recipe.build(args, params)
+
+    # -- one update -------------------------------------------------------------------------
+    @property
+    def joins_every_micro_batch(self) -> bool:
+        """Whether a rank without samples must still run every micro-batch (and every validation batch):
+        its forward or backward holds collectives the other ranks run. Otherwise only the last one."""
+        return False
+
+    @property
+    def holds_full_gradients(self) -> bool:
+        """Whether every rank holds the whole reduced gradient after the backward (not a shard of it)."""
+        return True
+
+    def gradient_sync(self, wrapped: nn.Module, is_last: bool) -> ContextManager[Any]:
+        """The context of one micro-batch's forward and backward: gradients are reduced in the last one only."""
+        return nullcontext()
+
+    def local_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """This rank's part of each of ``tensors``, for in-place arithmetic."""
+        return list(tensors)
+
+    def agree_on_overflow(self, found_inf: torch.Tensor) -> None:
+        """Make ``found_inf`` (this rank's inf/NaN flag, 0 or 1) the same on every rank, in place."""
+
+    def clip_grad_norm(self, params: Sequence[nn.Parameter], grads: list[torch.Tensor], owed: float,
+                       clip_norm: float) -> tuple[float, float]:
+        """The global norm of the normalised gradients ``owed * grads``, and the multiplier they still need:
+        ``owed`` times the clipping coefficient (``clip_norm > 0``, computed as ``clip_grad_norm_`` does)."""
+        if not grads:
+            return 0.0, owed
+        gnorm = float(torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads)))) * owed
+        if clip_norm > 0:
+            return gnorm, owed * min(1.0, clip_norm / (gnorm + 1e-6))
+        return gnorm, owed
+
+    # -- checkpoint state ---------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The full model state, complete on the master (a collective where the model is sharded)."""
+        return model.state_dict()
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        """Load a full model state (present on every rank); each rank keeps its part."""
+        model.load_state_dict(state)
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             params: Sequence[nn.Parameter]) -> Optional[dict[str, Any]]:
+        """The full optimizer state in plain ``torch.optim`` format on the master, ``None`` elsewhere
+        (a collective where the state is sharded)."""
+        return optimizer.state_dict()
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  params: Sequence[nn.Parameter], state: dict[str, Any]) -> None:
+        """Load a full, plain-format optimizer state (present on every rank); each rank keeps its part."""
+        optimizer.load_state_dict(state)
+
+    def shard_report(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
+        """Per-rank sizes worth logging once after the first update (a collective where there are any)."""
+        return {}
