@@ -181,13 +181,13 @@ def _rendezvous_for(plan: LaunchPlan, args: argparse.Namespace) -> Iterator[Laun
     if plan.init_method is not None:
         address = parse_init_method(plan.init_method, os.environ)
         check_store_directory(address)
+        serves_store = not plan.use_env_store or uses_agent_store(os.environ)  # not torchrun's own store
+        # a missing secret is refused before the network is looked at
+        secret = job_secret(args.distributed_secret, address, os.environ) if serves_store else plan.secret
         interface = choose_interface(args.distributed_interface, address)  # a host that does not resolve ends here
         if plan.use_env_store and address.is_loopback and args.distributed_interface is None:
             interface = None  # torchrun's MASTER_ADDR may be loopback on its own node only (a host name as 127.0.1.1)
-        if plan.use_env_store and not uses_agent_store(os.environ):
-            yield replace(plan, interface=interface)  # torchrun's own store, which hetfair does not serve
-            return
-        yield replace(plan, secret=job_secret(args.distributed_secret, address, os.environ), interface=interface)
+        yield replace(plan, secret=secret, interface=interface)
         return
     directory = tempfile.mkdtemp(prefix="hetfair-rendezvous-")  # mode 0700: this user only
     try:
