@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from helpers import TOY_PLUGIN, free_port, is_running, start, worker_pids
+from helpers import TOY_PLUGIN, free_port, is_running, start, subprocess_env, train_command, worker_pids
 
 # generous for a loaded machine; the launcher itself needs at most ~2.5 s (SIGTERM, 2 s grace, SIGKILL)
 STOP_BOUND_SECONDS = 15
@@ -170,3 +170,20 @@ def test_a_lone_rank_1_is_one_line_after_the_timeout(tmp_path):
     assert lines[0].startswith(f"hetfair-train: error: [rank 1] rank 1 could not reach rank 0 at 127.0.0.1:{port} "
                                f"within {timeout}s")
     assert elapsed < timeout + 40
+
+
+def test_a_run_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
+    # `hetfair-train ... &` in a shell script starts it with SIGINT ignored, inherited across exec
+    proc = subprocess.Popen(train_command(*long_run(tmp_path)), cwd=tmp_path, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        wait_for_line(proc, "train_inner", within=240)
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=STOP_BOUND_SECONDS)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert [line for line in err.strip().splitlines() if not line.startswith("train_inner |")] == [
+        "hetfair-train: interrupted"]
