@@ -113,7 +113,7 @@ class TrainingRun:
         loss_scaler = job_loss_scaler(context, self.precisions, LossScaleConfig.from_args(args, context.world_size))
         self.trainer = Trainer.from_args(args, model, criterion, context,
                                          dummy_batch(self.train_data, self.task.collater), loss_scaler)
-        self.caps = all_gather_ints(context, local_capacity(args, self.task, args.max_sentences))
+        self.caps = self._capped_at_dataset(all_gather_ints(context, local_capacity(args, self.task, args.max_sentences)))
         valid_caps = all_gather_ints(context, local_capacity(args, self.task,
                                                              args.max_sentences_valid or args.max_sentences))
         self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, valid_caps,
@@ -136,6 +136,14 @@ class TrainingRun:
         self._check_best_metric_exists()
         self.restored_from = self._restore()
         self._announce(model)
+
+    def _capped_at_dataset(self, caps: list[int]) -> list[int]:
+        """Per-rank batch sizes, none above the training set's size: a larger micro-batch holds no more samples."""
+        samples = len(self.train_data)
+        if max(caps) > samples:
+            self._notice(f"batch | a micro-batch holds at most the {samples} training samples: per-rank batch sizes "
+                         f"{caps} are cut to {[min(cap, samples) for cap in caps]}")
+        return [min(cap, samples) for cap in caps]
 
     def _checkpoint_parts(self) -> dict[str, Stateful]:
         parts: dict[str, Stateful] = {"trainer": self.trainer, "position": self.position, "clock": self.clock,

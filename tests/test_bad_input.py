@@ -1,6 +1,7 @@
 """Bad input to hetfair-train: exit code 2, one line on stderr, no traceback, nothing written.
 
 Every case is refused at start-up, before any model is built or any process is started.
+A batch size beyond the training set is no mistake to refuse: it is cut to the set's size.
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TOY_PLUGIN
+from hetfair.checkpoint import load_checkpoint
 from hetfair_cli.train import main as train_main
 
 
@@ -72,3 +74,14 @@ def test_bad_option_is_one_line_exit_2_and_changes_nothing(tmp_path, capsys, fla
     assert err.startswith("hetfair-train: error: ")
     assert message.replace("FILE", str(afile)) in err
     assert snapshot(tmp_path) == before
+
+
+def test_a_batch_size_beyond_the_training_set_is_cut_to_it_with_one_line(tmp_path, capfd):
+    save_dir = tmp_path / "ckpt"
+    assert train_main(toy(save_dir, "--toy-train-size", "50", "--max-sentences", "1000000000", "--max-epoch", "2",
+                          "--log-format", "simple", "--disable-validation")) == 0
+    output = capfd.readouterr()
+    assert ("batch | a micro-batch holds at most the 50 training samples: per-rank batch sizes [1000000000] are cut "
+            "to [50]") in output.out + output.err
+    state = load_checkpoint(save_dir / "checkpoint_last.pt")
+    assert state["batch"]["global_batch_size"] == 50 and state["trainer"]["num_updates"] == 2  # one update an epoch
