@@ -13,6 +13,7 @@ import torch
 
 from hetfair.balance import BalanceConfig, LoadBalancer
 from hetfair.checkpoint import CheckpointConfig, Checkpointer, Stateful
+from hetfair.criteria.fit import check_criterion_fits
 from hetfair.data.epoch_updates import EpochSchedule, EpochUpdates, Update
 from hetfair.data.rank_batches import dummy_batch
 from hetfair.data.update_shape import UpdateShape
@@ -109,6 +110,8 @@ class TrainingRun:
         self.train_data = self.task.dataset(args.train_subset)
         model = self.task.build_model(args)
         criterion = self.task.build_criterion(args)
+        check_criterion_fits(model, criterion, dummy_batch(self.train_data, self.task.collater),
+                             {"criterion": args.criterion, "task": args.task, "arch": args.arch})
         self.precisions = gather_precisions(context, args.precision)
         loss_scaler = job_loss_scaler(context, self.precisions, LossScaleConfig.from_args(args, context.world_size))
         self.trainer = Trainer.from_args(args, model, criterion, context,
