@@ -187,3 +187,33 @@ def test_a_run_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
     assert proc.returncode == 130, err
     assert [line for line in err.strip().splitlines() if not line.startswith("train_inner |")] == [
         "hetfair-train: interrupted"]
+
+
+def test_ctrl_c_to_a_job_with_dataloader_workers_leaks_no_semaphore(tmp_path):
+    # the toy plugin importable by name too, so that spawned DataLoader workers (before the fix) could load it
+    env = {**subprocess_env(), "PYTHONPATH": str(TOY_PLUGIN.parent)}
+    launcher = subprocess.Popen(train_command(*long_run(tmp_path, "--distributed-world-size", "4", "--num-workers", "2")),
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_line(launcher, "train_inner", within=240)
+        os.kill(launcher.pid, signal.SIGINT)
+        sent = time.monotonic()
+        _, err = launcher.communicate(timeout=60)  # until every holder of its stderr (resource tracker too) is gone
+        stopped_after = time.monotonic() - sent
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, err
+    assert "leaked semaphore" not in err
+    assert [line for line in err.strip().splitlines() if not line.startswith("train_inner |")] == [
+        "hetfair-train: interrupted by SIGINT; stopped all 4 worker processes"]
+    assert stopped_after < STOP_BOUND_SECONDS
+
+
+def test_dataloader_workers_of_ranks_load_a_user_dir_dataset(tmp_path):
+    result = subprocess.run(train_command("--user-dir", str(TOY_PLUGIN), "--task", "toy", "--max-update", "3",
+                                          "--max-sentences", "8", "--num-workers", "1", "--disable-validation",
+                                          "--save-dir", str(tmp_path / "ckpt"), "--log-format", "none",
+                                          "--distributed-world-size", "2"),
+                            cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
