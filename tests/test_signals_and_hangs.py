@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from helpers import TOY_PLUGIN, free_port, is_running, start, subprocess_env, train_command, worker_pids
+from helpers import TOY_PLUGIN, child_pids, free_port, is_running, start, subprocess_env, train_command, worker_pids
 
 # generous for a loaded machine; the launcher itself needs at most ~2.5 s (SIGTERM, 2 s grace, SIGKILL)
 STOP_BOUND_SECONDS = 15
@@ -217,3 +217,23 @@ def test_dataloader_workers_of_ranks_load_a_user_dir_dataset(tmp_path):
                                           "--distributed-world-size", "2"),
                             cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
+
+
+def test_the_dataloader_workers_of_a_killed_rank_die_with_it(tmp_path):
+    log = (tmp_path / "stderr").open("w+")  # a file, not a pipe: waiting for the launcher waits for no orphan
+    launcher = subprocess.Popen(train_command(*long_run(tmp_path, "--distributed-world-size", "2", "--num-workers", "2")),
+                                cwd=tmp_path, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=log, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "train_inner" not in (tmp_path / "stderr").read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        rank = worker_pids(launcher.pid)[1]
+        loaders = child_pids(rank)
+        assert len(loaders) == 2
+        os.kill(rank, signal.SIGKILL)
+        launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    # torch's own watchdog would end them only seconds later (it looks every 5 s)
+    assert not [pid for pid in loaders if is_running(pid)]

@@ -9,6 +9,7 @@ from typing import Any, Callable, Iterator, Optional
 from torch.utils.data import DataLoader, Dataset
 
 from hetfair.data.batch_plan import BatchPlan
+from hetfair.distributed.supervisor import die_with_rank
 
 Collater = Callable[[list[Any]], dict[str, Any]]
 
@@ -61,6 +62,7 @@ class RankBatches:
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
             multiprocessing_context=worker_context() if self.num_workers > 0 else None,
+            worker_init_fn=die_with_rank if self.num_workers > 0 else None,
         )
         batches = iter(loader)
         for indices in index_lists:

@@ -152,13 +152,29 @@ def exit_with_parent() -> None:
 
 
 def _exit_with_launcher(launcher_pid: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, STOP_SIGNAL)
-    except (OSError, AttributeError):  # not Linux: watch the parent instead
+    if not _on_parent_death(STOP_SIGNAL):  # not Linux: watch the parent instead
         threading.Thread(target=_watch_launcher, args=(launcher_pid,), daemon=True).start()
     if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
         os._exit(1)
+
+
+def die_with_rank(worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn``: the worker is killed the moment its rank ends, even by SIGKILL (Linux).
+
+    Without it a worker of a killed rank lives on until torch's watchdog notices (seconds,
+    more under load), holding the command's output open.
+    """
+    _on_parent_death(signal.SIGKILL)
+
+
+def _on_parent_death(signum: int) -> bool:
+    """Have the kernel send ``signum`` to this process when its parent dies; False where prctl is missing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signum)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def _watch_launcher(launcher_pid: int) -> None:
