@@ -75,29 +75,38 @@ MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _v1_to_v
 TEMP_SUFFIX = ".tmp"
 
 
-def atomic_save(state: dict[str, Any], path: Path) -> None:
+OnDisk = Callable[[Path], str]
+"""What a failed write left on disk, for its error line (given the path it failed to write)."""
+
+
+def previous_file(path: Path) -> str:
+    """The default account of a failed write of ``path``: whether an earlier version of it is intact."""
+    return "the previous checkpoint is intact" if path.exists() else "no checkpoint was written"
+
+
+def atomic_save(state: dict[str, Any], path: Path, on_disk: OnDisk = previous_file) -> None:
     """Write ``state`` to a temporary file in the same directory, then rename it over ``path``.
 
     A crash at any point leaves either the old file or the new one, never a torn file. A full
-    disk or Ctrl-C while writing removes the temporary file and becomes one error saying that
-    the previous checkpoint is intact.
+    disk or Ctrl-C while writing removes the temporary file and becomes one error that says
+    what is on disk (``on_disk``: by default whether the previous ``path`` is intact).
     """
     def write(handle: BinaryIO) -> None:
         torch.save(state, handle)
 
-    _write_atomically(path, write)
+    _write_atomically(path, write, on_disk)
 
 
-def atomic_copy(source: Path, target: Path) -> None:
+def atomic_copy(source: Path, target: Path, on_disk: OnDisk = previous_file) -> None:
     """Copy ``source`` to ``target`` through a temporary file and a rename."""
     def write(handle: BinaryIO) -> None:
         with open(source, "rb") as original:
             shutil.copyfileobj(original, handle)
 
-    _write_atomically(target, write)
+    _write_atomically(target, write, on_disk)
 
 
-def _write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
+def _write_atomically(path: Path, write: Callable[[BinaryIO], None], on_disk: OnDisk) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=TEMP_SUFFIX, dir=path.parent)
     try:
@@ -108,7 +117,7 @@ def _write_atomically(path: Path, write: Callable[[BinaryIO], None]) -> None:
         os.replace(tmp_name, path)
     except BaseException as exc:
         Path(tmp_name).unlink(missing_ok=True)
-        intact = "the previous checkpoint is intact" if path.exists() else "no checkpoint was written"
+        intact = on_disk(path)
         if isinstance(exc, KeyboardInterrupt):
             raise Interrupted(f"interrupted while writing {path}; {intact}") from exc
         cause = _os_error(exc)
@@ -264,6 +273,8 @@ class Checkpointer:
         self.options = dict(options)
         self.is_master = is_master
         self.best_metric: Optional[float] = None
+        self.last_saved_update: Optional[int] = None
+        """The update of the ``checkpoint_last.pt`` in ``save_dir`` (written or resumed from by this run)."""
         self.writer = CheckpointWriter(background=config.async_save and is_master and not config.no_save)
 
     # -- saving ---------------------------------------------------------------
@@ -284,10 +295,30 @@ class Checkpointer:
 
     def _write(self, state: dict[str, Any], names: list[str]) -> None:
         first = self.config.save_dir / names[0]
-        atomic_save(state, first)
+        updates = state[TRAINER].get("num_updates")
+        written: list[str] = []
+
+        def on_disk(failed: Path) -> str:
+            return self._on_disk(written, updates)
+
+        atomic_save(state, first, on_disk)
+        written.append(names[0])
         for name in names[1:]:
-            atomic_copy(first, self.config.save_dir / name)
+            atomic_copy(first, self.config.save_dir / name, on_disk)
+            written.append(name)
+        self.last_saved_update = updates
         self.prune()
+
+    def _on_disk(self, written: list[str], updates: Optional[int]) -> str:
+        """What a save that failed part way leaves: the files it wrote, and the ``checkpoint_last.pt`` to resume from."""
+        parts = [f"{' and '.join(written)} of update {updates} {'is' if len(written) == 1 else 'are'} complete"
+                 ] if written else []
+        if (self.config.save_dir / DEFAULT_RESTORE_FILE).is_file():
+            of_update = f" from update {self.last_saved_update}" if self.last_saved_update is not None else ""
+            parts.append(f"{DEFAULT_RESTORE_FILE}{of_update} is intact")
+        else:
+            parts.append(f"there is no {DEFAULT_RESTORE_FILE} yet" if written else "no checkpoint was written")
+        return "; ".join(parts)
 
     def check(self) -> None:
         """Raise the error of a background save that failed since the last call (never waits)."""
@@ -359,6 +390,8 @@ class Checkpointer:
             raise CheckpointError(f"cannot resume from {self._describe_restore(path)}: {exc}"
                                   f"{self._arch_note(state)}; {self._fresh_start_hint(path)}") from exc
         self.best_metric = state.get("best_metric")
+        if path == self.config.save_dir / DEFAULT_RESTORE_FILE:
+            self.last_saved_update = state[TRAINER].get("num_updates")
         return path
 
     def _describe_restore(self, path: Path) -> str:

@@ -13,6 +13,7 @@ import torch
 
 from hetfair.balance import LoadBalancer
 from hetfair.checkpoint import CheckpointConfig, Checkpointer, Stateful
+from hetfair.criteria.fit import check_criterion_fits
 from hetfair.data.epoch_updates import EpochSchedule, EpochUpdates, Update
 from hetfair.data.rank_batches import dummy_batch
 from hetfair.data.update_shape import UpdateShape
@@ -136,12 +137,14 @@ class TrainingRun:
         self.train_data = self.task.dataset(config.data.train_subset)
         model = self.task.build_model(args)
         criterion = self.task.build_criterion(args)
+        check_criterion_fits(model, criterion, dummy_batch(self.train_data, self.task.collater),
+                             {"criterion": args.criterion, "task": args.task, "arch": args.arch})
         job = self._agree()
         self.precisions = job.precisions
         self.trainer = Trainer.from_args(args, model, criterion, context,
                                          dummy_batch(self.train_data, self.task.collater),
                                          job_loss_scaler(job.precisions, config.precision.loss_scale))
-        self.caps = job.train_caps
+        self.caps = self._capped_at_dataset(job.train_caps)
         self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, job.valid_caps,
                                    config.data.num_workers,
                                    forward_every_batch=self.trainer.strategy.joins_every_micro_batch)
@@ -172,6 +175,14 @@ class TrainingRun:
                         {PARALLELISM: config.parallel.shared_settings(),
                          LOSS_SCALE: config.precision.loss_scale.shared_settings()})
         return agree_at_start_up(self.context, own)
+
+    def _capped_at_dataset(self, caps: list[int]) -> list[int]:
+        """Per-rank batch sizes, none above the training set's size: a larger micro-batch holds no more samples."""
+        samples = len(self.train_data)
+        if max(caps) > samples:
+            self._notice(f"batch | a micro-batch holds at most the {samples} training samples: per-rank batch sizes "
+                         f"{caps} are cut to {[min(cap, samples) for cap in caps]}")
+        return [min(cap, samples) for cap in caps]
 
     def _checkpoint_parts(self) -> dict[str, Stateful]:
         parts: dict[str, Stateful] = {"trainer": self.trainer, "position": self.position, "clock": self.clock,

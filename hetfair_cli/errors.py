@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import os
 import shlex
+import signal
 import sys
+import threading
 from pathlib import Path
 from typing import Callable, Sequence
 
@@ -20,9 +22,11 @@ def run_cli(prog: str, main: Callable[[list[str]], int | None], argv: Sequence[s
 
     ``--debug`` in ``argv`` or ``HETFAIR_DEBUG=1`` re-raises it with its traceback. When
     the reader of standard output goes away (``prog ... | head -1``), the command
-    stops quietly with :data:`EXIT_BROKEN_PIPE`.
+    stops quietly with :data:`EXIT_BROKEN_PIPE`. SIGINT stops the command even when it was
+    started with SIGINT ignored (see :func:`_restore_sigint`).
     """
     args = list(sys.argv[1:] if argv is None else argv)
+    _restore_sigint()
     try:
         return main(args) or 0
     except HetfairError as exc:
@@ -48,6 +52,13 @@ def _as_typed(directory: str) -> str:
         return str(Path(directory).relative_to(Path.cwd().resolve()))
     except ValueError:
         return directory
+
+
+def _restore_sigint() -> None:
+    """Let SIGINT stop the command again when it came ignored: a shell script starts ``cmd &`` that way,
+    and ``kill -INT`` (or the Ctrl-C the script's user presses) would otherwise do nothing."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def _silence_stdout() -> None:

@@ -6,6 +6,7 @@ import argparse
 import json
 import shlex
 import sys
+from pathlib import Path
 from typing import Sequence
 
 from hetfair.bert.hf import write_hf_directory
@@ -13,6 +14,7 @@ from hetfair.bert.hf_tokenizer import hf_tokenizer_files
 from hetfair.bert.model import BertModel
 from hetfair.errors import ConfigError
 from hetfair.pretrained import load_model
+from hetfair.utils import check_output_dir
 from hetfair_cli.errors import run_cli
 
 
@@ -28,6 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="target format (hf) and output directory")
     parser.add_argument("--data", metavar="DIR", help="data directory holding the vocabulary (default: training's)")
     parser.add_argument("--user-dir", metavar="DIR", help="plugin directory, if the task comes from one")
+    parser.add_argument("--force", action="store_true", help="write into OUTDIR even if it is not empty")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     return parser
 
@@ -37,6 +40,7 @@ def _main(argv: list[str]) -> int:
     target, outdir = args.to
     if target != "hf":
         raise ConfigError(f"--to {target}: the only export format is 'hf' (Hugging Face transformers)")
+    _check_outdir(outdir, args.force)
     loaded = load_model(args.path, user_dir=args.user_dir, overrides={"data": args.data})
     model = loaded.model
     if not isinstance(model, BertModel):
@@ -58,6 +62,15 @@ def success_message(outdir: str, nsp: bool) -> str:
             "note: trained without --nsp, so it is a BertForMaskedLM: BertForPreTraining would start its "
             "next-sentence head from random weights")
     return f"wrote {outdir}; load it in Python with:\npython -c {shlex.quote(code)}\n{note}"
+
+
+def _check_outdir(outdir: str, force: bool) -> None:
+    """Refuse, before loading anything, an OUTDIR that is a file, cannot be created, or holds files (unless ``force``)."""
+    check_output_dir("--to hf", outdir)
+    path = Path(outdir).expanduser()
+    if path.is_dir() and any(path.iterdir()) and not force:
+        raise ConfigError(f"--to hf {outdir}: the directory is not empty; choose another OUTDIR, or pass --force "
+                          f"to write over its files")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

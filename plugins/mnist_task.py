@@ -132,6 +132,9 @@ class MnistTask(Task):
     def _find_data_dir(self) -> Path:
         if self.args.data:
             data_dir = Path(self.args.data).expanduser()
+            if data_dir.exists() and not data_dir.is_dir():
+                raise DataError(f"--data {self.args.data} is a file, not a directory; give the directory that holds "
+                                f"the four IDX files")
             if not data_dir.is_dir():
                 raise DataError(f"--data {self.args.data}: no such directory")
             logger.info(f"data | MNIST-style files from --data {data_dir}")

@@ -75,6 +75,14 @@ def worker_pids(launcher_pid: int) -> list[int]:
     return sorted(pids)
 
 
+def child_pids(pid: int) -> list[int]:
+    """PIDs of the processes ``pid`` started and that are still its children (e.g. a rank's DataLoader workers)."""
+    children = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        children += [int(child) for child in (task / "children").read_text().split()]
+    return sorted(children)
+
+
 def is_running(pid: int) -> bool:
     """True while ``pid`` exists and is not a zombie."""
     try:

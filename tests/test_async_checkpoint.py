@@ -53,9 +53,9 @@ def slow_disk(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     release = threading.Event()
     original = hetfair.checkpoint.atomic_save
 
-    def held_back(state: dict[str, Any], path: Path) -> None:
+    def held_back(state: dict[str, Any], path: Path, *how: Any) -> None:
         assert release.wait(timeout=60)
-        original(state, path)
+        original(state, path, *how)
 
     monkeypatch.setattr(hetfair.checkpoint, "atomic_save", held_back)
     return release

@@ -1,6 +1,8 @@
-"""Bad input to hetfair-train: exit code 2, one line on stderr, no traceback, nothing written.
+"""Bad input to hetfair-train (and hetfair-export's output path): exit code 2, one line on stderr, no traceback,
+nothing written.
 
 Every case is refused at start-up, before any model is built or any process is started.
+A batch size beyond the training set is no mistake to refuse: it is cut to the set's size.
 """
 
 from __future__ import annotations
@@ -10,6 +12,8 @@ from pathlib import Path
 import pytest
 
 from helpers import TOY_PLUGIN
+from hetfair.checkpoint import load_checkpoint
+from hetfair_cli.export import main as export_main
 from hetfair_cli.train import main as train_main
 
 
@@ -53,6 +57,7 @@ CASES = [
     (["--zero-sharding", "os", "--zero-shard-weights", "1,-1"], "must all be positive"),
     (["--zero-sharding", "os", "--distributed-world-size", "2", "--zero-shard-weights", "1,2,3"],
      "--zero-shard-weights has 3 weights but there are 2 ranks"),
+    (["--criterion", "masked_lm"], "criterion masked_lm does not fit task toy (model toy_mlp): TypeError: "),
 ]
 
 
@@ -71,4 +76,33 @@ def test_bad_option_is_one_line_exit_2_and_changes_nothing(tmp_path, capsys, fla
     assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, err
     assert err.startswith("hetfair-train: error: ")
     assert message.replace("FILE", str(afile)) in err
+    assert snapshot(tmp_path) == before
+
+
+def test_a_batch_size_beyond_the_training_set_is_cut_to_it_with_one_line(tmp_path, capfd):
+    save_dir = tmp_path / "ckpt"
+    assert train_main(toy(save_dir, "--toy-train-size", "50", "--max-sentences", "1000000000", "--max-epoch", "2",
+                          "--log-format", "simple", "--disable-validation")) == 0
+    output = capfd.readouterr()
+    assert ("batch | a micro-batch holds at most the 50 training samples: per-rank batch sizes [1000000000] are cut "
+            "to [50]") in output.out + output.err
+    state = load_checkpoint(save_dir / "checkpoint_last.pt")
+    assert state["batch"]["global_batch_size"] == 50 and state["trainer"]["num_updates"] == 2  # one update an epoch
+
+
+@pytest.mark.parametrize("outdir, message", [
+    ("FILE", "--to hf FILE is not a directory"),
+    ("FILE/sub", "--to hf FILE/sub cannot be created: FILE is not a directory"),
+    ("FULL", "--to hf FULL: the directory is not empty; choose another OUTDIR, or pass --force to write over its files"),
+])
+def test_export_refuses_an_output_path_it_cannot_use_with_one_line(tmp_path, capsys, outdir, message):
+    (tmp_path / "FILE").write_text("an existing file")
+    (tmp_path / "FULL").mkdir()
+    (tmp_path / "FULL" / "config.json").write_text("{}")
+    before = snapshot(tmp_path)
+    code = export_main(["--path", str(tmp_path / "checkpoint_last.pt"), "--to", "hf", str(tmp_path / outdir)])
+    err = capsys.readouterr().err
+    assert code == 2
+    expected = message.replace("FILE", str(tmp_path / "FILE")).replace("FULL", str(tmp_path / "FULL"))
+    assert err == f"hetfair-export: error: {expected}\n"
     assert snapshot(tmp_path) == before

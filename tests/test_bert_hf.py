@@ -81,7 +81,9 @@ def test_export_loads_in_transformers_with_the_same_logits(tmp_path, data, capsy
 def test_a_model_without_nsp_exports_for_masked_lm_and_says_so(tmp_path, data, capsys):
     checkpoint = train_tiny(tmp_path, data)
     out = tmp_path / "hf"
-    assert export_main(["--path", str(checkpoint), "--to", "hf", str(out)]) == 0
+    out.mkdir()
+    (out / "config.json").write_text("{}")  # an earlier export's: --force writes over it
+    assert export_main(["--path", str(checkpoint), "--to", "hf", str(out), "--force"]) == 0
     assert "trained without --nsp" in capsys.readouterr().err.splitlines()[-1]
     assert json.loads((out / "config.json").read_text())["architectures"] == ["BertForMaskedLM"]
     _, info = transformers.BertForMaskedLM.from_pretrained(out, output_loading_info=True)

@@ -117,3 +117,12 @@ def test_missing_split_and_unprocessed_directory_are_one_error_line(data, tmp_pa
     assert capsys.readouterr().err.strip().splitlines() == [expected]
     with pytest.raises(DataError, match="not a hetfair-preprocess output"):
         setup(tmp_path)
+
+
+def test_a_data_path_that_is_a_file_or_missing_is_one_error_line(tmp_path: Path) -> None:
+    vocab_file = tmp_path / "vocab.txt"
+    vocab_file.write_text("[PAD]\n")
+    with pytest.raises(DataError, match=r"is a file, not a directory; give the directory that hetfair-preprocess"):
+        setup(vocab_file)
+    with pytest.raises(DataError, match="no such directory"):
+        setup(tmp_path / "absent")

@@ -335,11 +335,17 @@ def test_dropout_is_off_by_default_and_on_with_the_flag() -> None:
         assert torch.equal(model(x), model(x)) is same
 
 
-def test_cli_reports_a_missing_data_directory_on_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    code = train_main(["--user-dir", str(PLUGIN_DIR), "--task", "mnist", "--data", str(tmp_path / "absent"),
+@pytest.mark.parametrize("given, problem", [
+    ("absent", ": no such directory"),
+    ("a_file", " is a file, not a directory; give the directory that holds the four IDX files"),
+])
+def test_cli_reports_a_data_path_that_is_no_directory_on_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                                  given: str, problem: str) -> None:
+    (tmp_path / "a_file").write_bytes(b"train-images-idx3-ubyte.gz, not its directory")
+    code = train_main(["--user-dir", str(PLUGIN_DIR), "--task", "mnist", "--data", str(tmp_path / given),
                        "--save-dir", str(tmp_path / "checkpoints")])
     assert code == 2
-    assert capsys.readouterr().err == f"hetfair-train: error: --data {tmp_path / 'absent'}: no such directory\n"
+    assert capsys.readouterr().err == f"hetfair-train: error: --data {tmp_path / given}{problem}\n"
 
 
 # -- download ------------------------------------------------------------------------

@@ -17,6 +17,9 @@ import agreement_worker
 from helpers import TOY_PLUGIN, final_parameters, free_port, is_running, start, worker_pids
 from hetfair.checkpoint import load_checkpoint
 from hetfair.distributed import preemption
+from hetfair.distributed.launch import launch
+from hetfair.options import parse_train_args
+from hetfair_cli.errors import run_cli
 from hetfair_cli.train import main as train_main
 
 PREEMPTED = 75
@@ -129,3 +132,18 @@ def test_sigusr1_then_sigterm_is_one_request_not_a_stop():
         os.kill(os.getpid(), signal.SIGUSR1)
         os.kill(os.getpid(), signal.SIGTERM)
         assert preemption.requested_by() == signal.SIGUSR1
+
+
+def test_a_second_sigterm_to_a_single_process_exits_with_the_launchers_code(tmp_path, capsys):
+    def train(args, context) -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # preempt: finish the update, save
+        os.kill(os.getpid(), signal.SIGTERM)  # stop now
+
+    def main(argv: list[str]) -> int:
+        launch(parse_train_args(argv), train)
+        return 0
+
+    args = ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--save-dir", str(tmp_path)]
+    assert run_cli("hetfair-train", main, args) == 128 + signal.SIGTERM == 143  # as the launcher's stop by SIGTERM
+    assert capsys.readouterr().err == "hetfair-train: interrupted by SIGTERM\n"
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL

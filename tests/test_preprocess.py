@@ -288,3 +288,27 @@ def test_bad_numbers_are_refused_before_any_work(tmp_path: Path, corpus, capsys,
                       *flags], capsys)
     assert message in line
     assert not (tmp_path / "o").exists()
+
+
+def test_wordpiece_training_is_deterministic(tmp_path: Path, corpus) -> None:
+    # the tokenizers trainer numbers "##" tokens in hash-map order, random per run (huggingface/tokenizers#1794)
+    vocabularies = set()
+    for run in range(4):
+        out = tmp_path / str(run)
+        assert main(["--trainpref", str(corpus[0]), "--destdir", str(out), "--tokenizer", "wordpiece",
+                     "--vocab-size", "300"]) == 0
+        vocabularies.add((out / "vocab.txt").read_text(encoding="utf-8"))
+    assert len(vocabularies) == 1
+
+
+def test_a_failed_run_in_a_fresh_destdir_leaves_no_destdir_and_announces_no_file(tmp_path: Path, corpus,
+                                                                                  capsys) -> None:
+    bad = tmp_path / "bad.txt"
+    bad.write_bytes(b"A good first line.\n\x80\x81binary\x00junk\n")
+    out = tmp_path / "fresh"
+    # the training split and the trained vocabulary succeed, the validation split fails
+    line = run_error(["--trainpref", str(corpus[0]), "--validpref", str(bad), "--tokenizer", "wordpiece",
+                      "--vocab-size", "150", "--destdir", str(out)], capsys)
+    assert "not UTF-8" in line
+    assert not out.exists()
+    assert capsys.readouterr().out == ""

@@ -17,7 +17,7 @@ import threading
 import time
 from pathlib import Path
 
-from helpers import TOY_PLUGIN, free_port, is_running, start, subprocess_env, train_command, worker_pids
+from helpers import TOY_PLUGIN, child_pids, free_port, is_running, start, subprocess_env, train_command, worker_pids
 
 # generous for a loaded machine; the launcher itself needs at most ~2.5 s (SIGTERM, 2 s grace, SIGKILL)
 STOP_BOUND_SECONDS = 15
@@ -176,3 +176,70 @@ def test_a_lone_rank_1_is_one_line_after_the_timeout(tmp_path):
     assert lines[0].startswith(f"hetfair-train: error: [rank 1] rank 1 could not reach rank 0 at 127.0.0.1:{port} "
                                f"within {timeout}s")
     assert elapsed < timeout + 40
+
+
+def test_a_run_started_with_sigint_ignored_still_stops_on_sigint(tmp_path):
+    # `hetfair-train ... &` in a shell script starts it with SIGINT ignored, inherited across exec
+    proc = subprocess.Popen(train_command(*long_run(tmp_path)), cwd=tmp_path, env=subprocess_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    try:
+        wait_for_line(proc, "train_inner", within=240)
+        os.kill(proc.pid, signal.SIGINT)
+        _, err = proc.communicate(timeout=STOP_BOUND_SECONDS)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 130, err
+    assert [line for line in err.strip().splitlines() if not line.startswith("train_inner |")] == [
+        "hetfair-train: interrupted"]
+
+
+def test_ctrl_c_to_a_job_with_dataloader_workers_leaks_no_semaphore(tmp_path):
+    # the toy plugin importable by name too, so that spawned DataLoader workers (before the fix) could load it
+    env = {**subprocess_env(), "PYTHONPATH": str(TOY_PLUGIN.parent)}
+    launcher = subprocess.Popen(train_command(*long_run(tmp_path, "--distributed-world-size", "4", "--num-workers", "2")),
+                                cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for_line(launcher, "train_inner", within=240)
+        os.kill(launcher.pid, signal.SIGINT)
+        sent = time.monotonic()
+        _, err = launcher.communicate(timeout=60)  # until every holder of its stderr (resource tracker too) is gone
+        stopped_after = time.monotonic() - sent
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    assert launcher.returncode == 130, err
+    assert "leaked semaphore" not in err
+    assert [line for line in err.strip().splitlines() if not line.startswith("train_inner |")] == [
+        "hetfair-train: interrupted by SIGINT; stopped all 4 worker processes"]
+    assert stopped_after < STOP_BOUND_SECONDS
+
+
+def test_dataloader_workers_of_ranks_load_a_user_dir_dataset(tmp_path):
+    result = subprocess.run(train_command("--user-dir", str(TOY_PLUGIN), "--task", "toy", "--max-update", "3",
+                                          "--max-sentences", "8", "--num-workers", "1", "--disable-validation",
+                                          "--save-dir", str(tmp_path / "ckpt"), "--log-format", "none",
+                                          "--distributed-world-size", "2"),
+                            cwd=tmp_path, env=subprocess_env(), capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+
+
+def test_the_dataloader_workers_of_a_killed_rank_die_with_it(tmp_path):
+    log = (tmp_path / "stderr").open("w+")  # a file, not a pipe: waiting for the launcher waits for no orphan
+    launcher = subprocess.Popen(train_command(*long_run(tmp_path, "--distributed-world-size", "2", "--num-workers", "2")),
+                                cwd=tmp_path, env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=log, text=True)
+    try:
+        deadline = time.monotonic() + 240
+        while "train_inner" not in (tmp_path / "stderr").read_text() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        rank = worker_pids(launcher.pid)[1]
+        loaders = child_pids(rank)
+        assert len(loaders) == 2
+        os.kill(rank, signal.SIGKILL)
+        launcher.wait(timeout=60)
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+    # torch's own watchdog would end them only seconds later (it looks every 5 s)
+    assert not [pid for pid in loaders if is_running(pid)]

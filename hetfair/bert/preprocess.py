@@ -14,6 +14,7 @@ import io
 import multiprocessing
 import os
 import shutil
+import tempfile
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -70,36 +71,45 @@ def build_parser() -> argparse.ArgumentParser:
 def preprocess(args: argparse.Namespace) -> dict[str, Any]:
     """Write every requested split and the vocabulary into ``args.destdir``; return the metadata.
 
-    All or nothing: every split is written under a hidden staging name first and only
-    renamed into place, with the new ``preprocess.json``, once every split succeeded. A
-    failed run leaves the files already in ``destdir`` as they were.
+    All or nothing: the vocabulary (when trained or copied) and every split are written into a
+    hidden staging directory inside ``destdir`` first and only renamed into place, with the new
+    ``preprocess.json``, once every split succeeded. A failed run leaves the files already in
+    ``destdir`` as they were, and no ``destdir`` at all if it made it.
     """
     splits = _check_args(args)
-    _make_destdir(args.destdir)
-    spec = _vocabulary_in_destdir(args, splits)
-    tokenizer = load_tokenizer(spec)
-    metadata = read_metadata(args.destdir) or {"splits": {}}
-    metadata["tokenizer"] = {**asdict(spec), "path": os.path.basename(spec.path)}
-    metadata["vocab_size"] = len(tokenizer.vocab)
-    staged = {split: os.path.join(args.destdir, f".{split}.partial") for split in splits}
+    created = _make_destdir(args.destdir)
+    staging = tempfile.mkdtemp(prefix=".preprocess-", dir=args.destdir)
+    done = False
     try:
-        for split, path in splits.items():
-            stats = metadata["splits"][split] = binarize(path, staged[split], tokenizer, args.workers)
-            print(f"{split}: {stats['documents']} documents, {stats['sentences']} sentences, {stats['tokens']} "
-                  f"tokens ({100 * stats['unk'] / max(stats['tokens'], 1):.2f}% [UNK]) -> "
-                  f"{os.path.join(args.destdir, split)}.bin")
-        for split, prefix in staged.items():
-            for suffix in (".idx", ".bin"):
-                os.replace(prefix + suffix, os.path.join(args.destdir, split) + suffix)
-        write_metadata(args.destdir, metadata)
+        metadata = _preprocess_into(args, splits, staging)
+        done = True
     except OSError as exc:
         raise DataError(f"cannot write into {args.destdir}: {exc.strerror or exc}; "
                         f"the files already there are untouched") from exc
     finally:
-        for prefix in staged.values():
-            for suffix in (".idx", ".bin"):
-                if os.path.exists(prefix + suffix):
-                    os.remove(prefix + suffix)
+        shutil.rmtree(staging, ignore_errors=True)
+        if created and not done:
+            shutil.rmtree(args.destdir, ignore_errors=True)
+    for split in splits:
+        stats = metadata["splits"][split]
+        print(f"{split}: {stats['documents']} documents, {stats['sentences']} sentences, {stats['tokens']} "
+              f"tokens ({100 * stats['unk'] / max(stats['tokens'], 1):.2f}% [UNK]) -> "
+              f"{os.path.join(args.destdir, split)}.bin")
+    return metadata
+
+
+def _preprocess_into(args: argparse.Namespace, splits: dict[str, str], staging: str) -> dict[str, Any]:
+    """Binarize every split into ``staging``, then move them and any new vocabulary into ``destdir``."""
+    spec = _vocabulary_in_destdir(args, splits, staging)
+    tokenizer = load_tokenizer(spec)
+    metadata = read_metadata(args.destdir) or {"splits": {}}
+    metadata["tokenizer"] = {**asdict(spec), "path": os.path.basename(spec.path)}
+    metadata["vocab_size"] = len(tokenizer.vocab)
+    for split, path in splits.items():
+        metadata["splits"][split] = binarize(path, os.path.join(staging, split), tokenizer, args.workers)
+    for name in sorted(os.listdir(staging)):
+        os.replace(os.path.join(staging, name), os.path.join(args.destdir, name))
+    write_metadata(args.destdir, metadata)
     return metadata
 
 
@@ -123,15 +133,20 @@ def _check_args(args: argparse.Namespace) -> dict[str, str]:
     return splits
 
 
-def _make_destdir(destdir: str) -> None:
+def _make_destdir(destdir: str) -> bool:
+    """Create ``destdir`` if needed; whether this run created it."""
+    if os.path.isdir(destdir):
+        return False
     try:
-        os.makedirs(destdir, exist_ok=True)
+        os.makedirs(destdir)
     except OSError as exc:
         raise DataError(f"cannot create --destdir {destdir}: {exc.strerror or exc}") from exc
+    return True
 
 
-def _vocabulary_in_destdir(args: argparse.Namespace, splits: dict[str, str]) -> TokenizerSpec:
-    """Copy, reuse or train the vocabulary so that it lives in ``destdir``; return its spec."""
+def _vocabulary_in_destdir(args: argparse.Namespace, splits: dict[str, str], staging: str) -> TokenizerSpec:
+    """Reuse the vocabulary of ``destdir``, or copy or train one into ``staging`` (moved to ``destdir`` with
+    the splits); return its spec."""
     existing = destdir_tokenizer_spec(args.destdir) if read_metadata(args.destdir) else None
     given = _given_spec(args)
     if given is None and existing is None:
@@ -141,9 +156,8 @@ def _vocabulary_in_destdir(args: argparse.Namespace, splits: dict[str, str]) -> 
         if "train" not in splits:
             raise ConfigError("--tokenizer trains a vocabulary on the training text: give --trainpref")
         lowercase = True if args.lowercase is None else args.lowercase
-        with _open_text(splits["train"]) as (lines, _):
-            return train_tokenizer(args.tokenizer, _nonblank(lines), args.vocab_size, lowercase, args.destdir,
-                                   args.character_coverage)
+        return train_tokenizer(args.tokenizer, lambda: _training_text(splits["train"]), args.vocab_size, lowercase,
+                               staging, args.character_coverage)
     if given is None:
         assert existing is not None
         if args.tokenizer is not None:
@@ -157,9 +171,11 @@ def _vocabulary_in_destdir(args: argparse.Namespace, splits: dict[str, str]) -> 
     if existing is not None:
         check_same_vocabulary(given_tokenizer, load_tokenizer(existing))
     target = os.path.join(args.destdir, VOCAB_FILE_NAMES[given.kind])
-    if not os.path.exists(target) or not os.path.samefile(given.path, target):
-        shutil.copyfile(given.path, target)
-    return TokenizerSpec(given.kind, target, given.lowercase)
+    if os.path.exists(target) and os.path.samefile(given.path, target):
+        return TokenizerSpec(given.kind, target, given.lowercase)
+    staged = os.path.join(staging, VOCAB_FILE_NAMES[given.kind])
+    shutil.copyfile(given.path, staged)
+    return TokenizerSpec(given.kind, staged, given.lowercase)
 
 
 def _given_spec(args: argparse.Namespace) -> TokenizerSpec | None:
@@ -279,5 +295,7 @@ def _checked_lines(text: io.TextIOWrapper, path: str) -> Iterator[str]:
         raise DataError(f"cannot read {path}: {exc}") from exc
 
 
-def _nonblank(lines: Iterable[str]) -> Iterator[str]:
-    return (line.strip() for line in lines if line.strip())
+def _training_text(path: str) -> Iterator[str]:
+    """The non-blank lines of ``path``, stripped: what a vocabulary is trained on."""
+    with _open_text(path) as (lines, _):
+        yield from (line.strip() for line in lines if line.strip())

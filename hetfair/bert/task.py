@@ -73,8 +73,11 @@ class BertTask(Task):
         if not args.data:
             raise ConfigError("the bert task needs --data DIR, a directory made by hetfair-preprocess "
                               "or holding .hdf5 shards")
+        if os.path.exists(args.data) and not os.path.isdir(args.data):
+            raise DataError(f"--data {args.data} is a file, not a directory; give the directory that "
+                            f"hetfair-preprocess wrote (its --destdir)")
         if not os.path.isdir(args.data):
-            raise DataError(f"--data {args.data} is not a directory")
+            raise DataError(f"--data {args.data}: no such directory")
         if read_metadata(args.data) is None and hdf5_shards(args.data):
             if not args.dict:
                 raise ConfigError(f"--data {args.data} holds .hdf5 shards: give their vocabulary with --dict vocab.txt")

@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import io
 import os
+from collections import Counter
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import sentencepiece as spm
 from tokenizers import BertWordPieceTokenizer
@@ -175,22 +176,49 @@ def check_same_vocabulary(given: Tokenizer, existing: Tokenizer) -> None:
         )
 
 
-def train_tokenizer(kind: str, lines: Iterable[str], vocab_size: int, lowercase: bool, out_dir: str,
+def train_tokenizer(kind: str, text: Callable[[], Iterable[str]], vocab_size: int, lowercase: bool, out_dir: str,
                     character_coverage: float = 0.9995) -> TokenizerSpec:
-    """Train a ``kind`` vocabulary of ``vocab_size`` tokens on ``lines``; save it into ``out_dir``.
+    """Train a ``kind`` vocabulary of ``vocab_size`` tokens on the lines ``text()`` yields; save it into ``out_dir``.
 
-    ``character_coverage`` (sentencepiece only): share of characters the vocabulary must cover;
-    rarer characters become ``[UNK]``.
+    ``text`` gives the training text afresh at each call (WordPiece reads it twice, see
+    :func:`_continuing_subwords`). ``character_coverage`` (sentencepiece only): share of
+    characters the vocabulary must cover; rarer characters become ``[UNK]``.
     """
     path = os.path.join(out_dir, VOCAB_FILE_NAMES[kind])
     if kind == "wordpiece":
         trainer = BertWordPieceTokenizer(lowercase=lowercase)
-        trainer.train_from_iterator(iter(lines), vocab_size=vocab_size, special_tokens=list(SPECIAL_TOKENS),
-                                    show_progress=False)
+        pinned = _continuing_subwords(trainer, text(), _WORDPIECE_ALPHABET_LIMIT)
+        trainer.train_from_iterator(iter(text()), vocab_size=vocab_size, special_tokens=[*SPECIAL_TOKENS, *pinned],
+                                    limit_alphabet=_WORDPIECE_ALPHABET_LIMIT, show_progress=False)
         trainer.save_model(out_dir)
         return TokenizerSpec(kind, path, lowercase)
-    _train_sentencepiece(iter(lines), vocab_size, lowercase, character_coverage, path)
+    _train_sentencepiece(iter(text()), vocab_size, lowercase, character_coverage, path)
     return TokenizerSpec(kind, path, lowercase)
+
+
+_WORDPIECE_ALPHABET_LIMIT = 1000  # the tokenizers library's default for BertWordPieceTokenizer
+
+
+def _continuing_subwords(trainer: BertWordPieceTokenizer, lines: Iterable[str], alphabet_limit: int) -> list[str]:
+    """The ``##c`` tokens that training will create, in a fixed order, to be given to the trainer up front.
+
+    The ``tokenizers`` trainer (0.23) numbers these tokens in the iteration order of a hash map
+    with a random seed per process, and breaks ties between equally frequent merges by those
+    numbers: the same text gave different vocabularies from run to run (huggingface/tokenizers
+    #1794). Tokens the trainer already knows keep their place, so naming them all first makes
+    training deterministic. They are every character seen after a word's first one among the
+    characters frequent enough for the trainer's alphabet (a superset where counts tie at its limit).
+    """
+    normalizer, pre_tokenizer = trainer.normalizer, trainer.pre_tokenizer
+    counts: Counter[str] = Counter()
+    continuing: set[str] = set()
+    for line in lines:
+        for word, _ in pre_tokenizer.pre_tokenize_str(normalizer.normalize_str(line)):
+            counts.update(word)
+            continuing.update(word[1:])
+    ranked = sorted(counts.values(), reverse=True)
+    least = ranked[alphabet_limit - 1] if len(ranked) > alphabet_limit else 0
+    return [f"##{char}" for char in sorted(continuing) if counts[char] >= least]
 
 
 def _train_sentencepiece(lines: Iterator[str], vocab_size: int, lowercase: bool, character_coverage: float,

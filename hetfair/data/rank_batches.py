@@ -2,13 +2,28 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import sys
 from typing import Any, Callable, Iterator, Optional
 
 from torch.utils.data import DataLoader, Dataset
 
 from hetfair.data.batch_plan import BatchPlan
+from hetfair.distributed.supervisor import die_with_rank
 
 Collater = Callable[[list[Any]], dict[str, Any]]
+
+
+def worker_context() -> Optional[Any]:
+    """How DataLoader workers start: forked on Linux, as torch does in a process torchrun started.
+
+    A rank that hetfair's launcher spawned inherits the spawn method, and spawned DataLoader
+    workers import torch again (seconds each under load), cannot import a ``--user-dir``
+    plugin's dataset, and register their queues' semaphores with the launcher's resource
+    tracker, which reports them as leaked when a rank is stopped ("leaked semaphore objects").
+    Forked workers share the rank's modules, and their semaphores are unlinked at creation.
+    """
+    return multiprocessing.get_context("fork") if sys.platform.startswith("linux") else None
 
 
 class RankBatches:
@@ -46,6 +61,8 @@ class RankBatches:
             collate_fn=self.collater,
             num_workers=self.num_workers,
             pin_memory=self.pin_memory,
+            multiprocessing_context=worker_context() if self.num_workers > 0 else None,
+            worker_init_fn=die_with_rank if self.num_workers > 0 else None,
         )
         batches = iter(loader)
         for indices in index_lists:

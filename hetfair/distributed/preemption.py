@@ -1,7 +1,8 @@
 """Preemption: a scheduler's SIGTERM or SIGUSR1 asks a run to save and stop after the current update.
 
 * :func:`preemptible` installs the handlers of a training process: SIGTERM or SIGUSR1 only
-  records the request; a second SIGTERM raises KeyboardInterrupt (stop now). A SIGUSR1 before
+  records the request; a second SIGTERM stops at once, as the launcher does: the block ends
+  with :class:`~hetfair.errors.Interrupted` and exit code 143 (128 + SIGTERM). A SIGUSR1 before
   a SIGTERM does not count: under torchrun (which signals the whole process group) or SLURM a
   worker gets SIGTERM directly and SIGUSR1 from its launcher, in either order. The request
   is process-wide state because signals are.
@@ -23,13 +24,14 @@ import torch
 import torch.distributed as dist
 
 from hetfair.distributed.context import DistributedContext
-from hetfair.errors import Preempted
+from hetfair.errors import Interrupted, Preempted
 
 PREEMPTED_EXIT_CODE = Preempted.exit_code
 PREEMPT_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 
 _requested_by: Optional[int] = None  # the first preemption signal this process received
 _sigterm_received = False  # SIGUSR1 never escalates: a launcher forwards it while SIGTERM may come directly
+_stopped_by_sigterm = False  # a second SIGTERM asked to stop now
 
 
 def requested_by() -> Optional[int]:
@@ -45,29 +47,45 @@ def request(signum: int) -> None:
 
 
 def _on_signal(signum: int, frame: Any) -> None:
-    global _sigterm_received
+    global _sigterm_received, _stopped_by_sigterm
     if signum == signal.SIGTERM:
         if _sigterm_received:
             signal.signal(signal.SIGTERM, signal.SIG_IGN)  # nothing may interrupt the clean-up
-            raise KeyboardInterrupt
+            _stopped_by_sigterm = True
+            raise KeyboardInterrupt  # unwinds like Ctrl-C: a save in progress removes its temporary file
         _sigterm_received = True
     request(signum)
 
 
 @contextmanager
 def preemptible() -> Iterator[None]:
-    """In the block, SIGTERM / SIGUSR1 request preemption; a second SIGTERM stops at once (main thread only)."""
-    global _requested_by, _sigterm_received
+    """In the block, SIGTERM / SIGUSR1 request preemption; a second SIGTERM stops at once (main thread only).
+
+    That stop leaves the block as :class:`Interrupted` with exit code 143, the launcher's code for it.
+    """
+    global _requested_by, _sigterm_received, _stopped_by_sigterm
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    _requested_by, _sigterm_received = None, False
+    _requested_by, _sigterm_received, _stopped_by_sigterm = None, False, False
     previous = {signum: signal.signal(signum, _on_signal) for signum in PREEMPT_SIGNALS}
     try:
         yield
+    except (KeyboardInterrupt, Interrupted) as exc:
+        if not _stopped_by_sigterm:
+            raise
+        raise _stopped_by(signal.SIGTERM, exc) from exc
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+
+
+def _stopped_by(signum: int, exc: BaseException) -> Interrupted:
+    """The stop at once by ``signum``: a save it cut short keeps its own account."""
+    detail = str(exc) if isinstance(exc, Interrupted) else f"interrupted by {signal.Signals(signum).name}"
+    stopped = Interrupted(detail)
+    stopped.exit_code = 128 + signum
+    return stopped
 
 
 class StopAgreement:

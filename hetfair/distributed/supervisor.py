@@ -46,6 +46,7 @@ PREEMPT_GRACE_SECONDS = 300.0
 _WORKER_SIGNALS = {*PREEMPT_SIGNALS, STOP_SIGNAL}
 _CLEAN_EXITS = (0, PREEMPTED_EXIT_CODE)  # a preempted worker saved and stopped as asked
 _POLL_SECONDS = 0.25
+_CHILD_REAP_SECONDS = 1.0
 _PR_SET_PDEATHSIG = 1
 
 
@@ -115,14 +116,32 @@ def _worker_main(index: int, rank: int, channel: Connection, launcher_pid: int,
         report = WorkerReport(rank, f"{type(exc).__name__}: {first_line(exc)} (traceback above)", 1)
     for signum in _WORKER_SIGNALS:
         signal.signal(signum, signal.SIG_IGN)  # nothing may interrupt the report
+    _end_children()
     _send(channel, report)
     _flush()
     os._exit(report.exit_code)
 
 
+def _end_children() -> None:
+    """Kill this worker's own processes (DataLoader workers) and reap them.
+
+    ``os._exit`` skips multiprocessing's exit handler, which would stop them; left alone they
+    notice the rank is gone only seconds later, holding the command's output open meanwhile.
+    torch's SIGCHLD handler, which turns a DataLoader worker's death into an error, goes first.
+    """
+    if threading.current_thread() is threading.main_thread():
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    children = mp.active_children()
+    for child in children:
+        child.kill()
+    for child in children:
+        child.join(_CHILD_REAP_SECONDS)
+
+
 def _stop_now(signum: int, frame: Any) -> None:
     for ignored in _WORKER_SIGNALS:
         signal.signal(ignored, signal.SIG_IGN)  # a second signal must not interrupt the clean-up
+    _end_children()  # first: a DataLoader worker whose hand-over the interrupt cuts short would print a traceback
     raise KeyboardInterrupt
 
 
@@ -133,13 +152,29 @@ def exit_with_parent() -> None:
 
 
 def _exit_with_launcher(launcher_pid: int) -> None:
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, STOP_SIGNAL)
-    except (OSError, AttributeError):  # not Linux: watch the parent instead
+    if not _on_parent_death(STOP_SIGNAL):  # not Linux: watch the parent instead
         threading.Thread(target=_watch_launcher, args=(launcher_pid,), daemon=True).start()
     if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
         os._exit(1)
+
+
+def die_with_rank(worker_id: int) -> None:
+    """A DataLoader ``worker_init_fn``: the worker is killed the moment its rank ends, even by SIGKILL (Linux).
+
+    Without it a worker of a killed rank lives on until torch's watchdog notices (seconds,
+    more under load), holding the command's output open.
+    """
+    _on_parent_death(signal.SIGKILL)
+
+
+def _on_parent_death(signum: int) -> bool:
+    """Have the kernel send ``signum`` to this process when its parent dies; False where prctl is missing."""
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signum)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 def _watch_launcher(launcher_pid: int) -> None:
