@@ -36,7 +36,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY
 from hetfair.trainer import Trainer

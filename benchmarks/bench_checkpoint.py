@@ -26,7 +26,7 @@ import torch
 from bench_bert import prepare_data
 from common import REPO_ROOT, Samples, clocked_run, machine_note, print_table, subprocess_env
 from hetfair.checkpoint import CheckpointConfig, Checkpointer
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.options import parse_train_args
 from hetfair.training import TrainingRun
 

@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hetfair.bert.criterion import MaskedLmCriterion  # noqa: E402
 from hetfair.bert.model import BertConfig, BertModel, bert_base, bert_large, bert_mini  # noqa: E402
-from hetfair.distributed.context import DistributedContext  # noqa: E402
+from hetfair.parallel.context import DistributedContext  # noqa: E402
 from hetfair.optim.adam import Adam  # noqa: E402
 from hetfair.optim.lr_scheduler.fixed import FixedSchedule  # noqa: E402
 from hetfair.parallel import ParallelConfig, build_strategy  # noqa: E402

@@ -62,7 +62,7 @@ class _Waited:
 def build_trainer(arch: str, rank: int, world: int, batch_size: int) -> tuple[Any, list[dict[str, Any]]]:
     """A trainer of ``arch`` on this rank and a pool of random MNIST-shaped batches."""
     from hetfair.criteria.cross_entropy import CrossEntropyCriterion
-    from hetfair.distributed.context import DistributedContext
+    from hetfair.parallel.context import DistributedContext
     from hetfair.optim.lr_scheduler.fixed import FixedSchedule
     from hetfair.trainer import Trainer, TrainerConfig
 

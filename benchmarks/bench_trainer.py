@@ -127,7 +127,7 @@ def build_contenders(arch: str, args: argparse.Namespace) -> tuple[list[Contende
     """The plain loop with torch's default optimizer implementation, the same loop with the fused step
     hetfair uses by default, and hetfair's Trainer; same initial weights; plus a pool of batches."""
     from hetfair.data.rank_batches import dummy_batch
-    from hetfair.distributed.context import DistributedContext
+    from hetfair.parallel.context import DistributedContext
     from hetfair.options import parse_train_args
     from hetfair.tasks import TASK_REGISTRY
     from hetfair.trainer import Trainer

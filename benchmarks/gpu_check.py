@@ -37,7 +37,7 @@ import torch.distributed as dist
 from hetfair.bert.criterion import MaskedLmCriterion
 from hetfair.bert.masking import IGNORE_INDEX
 from hetfair.bert.model import BertConfig, BertModel, bert_base, bert_large, bert_mini, bert_small, bert_tiny
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.optim import LRScheduler
 from hetfair.precision import PRECISIONS, LossScaleConfig, LossScaler
 from hetfair.trainer import Trainer, TrainerConfig

@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from hetfair.bert.indexed_dataset import IndexedDataset
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY
 from hetfair.validation import Validator

@@ -13,7 +13,7 @@ from typing import Any, Iterator, Optional, Sequence
 
 import torch
 
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.pretrained import load_model
 from hetfair.validation import Validator
 

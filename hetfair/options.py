@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from hetfair.criteria import CRITERION_REGISTRY
-from hetfair.distributed.per_process import PerProcessValues, parse_per_process, values_of
+from hetfair.launch.per_process import PerProcessValues, parse_per_process, values_of
 from hetfair.errors import ConfigError
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY

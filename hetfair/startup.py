@@ -11,8 +11,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from hetfair.distributed.collectives import all_gather_json
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.collectives import all_gather_json
+from hetfair.parallel.context import DistributedContext
 from hetfair.errors import ConfigError
 
 PARALLELISM = "parallelism"

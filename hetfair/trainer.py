@@ -37,8 +37,8 @@ import torch
 from torch import nn
 
 from hetfair.compile import compile_model
-from hetfair.distributed.context import DistributedContext
-from hetfair.distributed.stats import (
+from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.stats import (
     PendingStats,
     SyncedStats,
     UpdateResult,

@@ -17,9 +17,9 @@ from hetfair.criteria.fit import check_criterion_fits
 from hetfair.data.epoch_updates import EpochSchedule, EpochUpdates, Update
 from hetfair.data.rank_batches import dummy_batch
 from hetfair.data.update_shape import UpdateShape
-from hetfair.distributed.context import DistributedContext
-from hetfair.distributed.preemption import StopAgreement, requested_by
-from hetfair.distributed.stats import UpdateResult
+from hetfair.parallel.context import DistributedContext
+from hetfair.launch.preemption import StopAgreement, requested_by
+from hetfair.parallel.stats import UpdateResult
 from hetfair.errors import ConfigError, Preempted
 from hetfair.logging.meters import IntervalStats, Stopwatch
 from hetfair.logging.progress import Progress, format_metric

@@ -10,8 +10,8 @@ from torch import nn
 from hetfair.criteria import HetfairCriterion
 from hetfair.data.batch_plan import BatchPlan
 from hetfair.data.rank_batches import RankBatches
-from hetfair.distributed.context import DistributedContext
-from hetfair.distributed.stats import sum_logs, sync_stats
+from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.stats import sum_logs, sync_stats
 from hetfair.tasks import Task
 from hetfair.utils import move_to_device
 

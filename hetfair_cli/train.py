@@ -14,7 +14,7 @@ def _main(argv: list[str]) -> int:
     args = parse_train_args(argv)
     if args.list_plugins:
         return _list_plugins()
-    from hetfair.distributed.launch import launch
+    from hetfair.launch.launcher import launch
     from hetfair.training import check_before_start, train
 
     check_before_start(args)

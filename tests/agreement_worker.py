@@ -10,8 +10,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hetfair.distributed import preemption
-from hetfair.distributed.context import DistributedContext
+from hetfair.launch import preemption
+from hetfair.parallel.context import DistributedContext
 
 WORLD_SIZE = 2
 SIGNALLED_AT = {0: 6, 1: 2}  # rank -> the update after which its process gets SIGUSR1

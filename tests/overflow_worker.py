@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import TOY_PLUGIN
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.options import parse_train_args
 from hetfair.precision import LossScaleConfig, job_loss_scaler
 from hetfair.startup import LOSS_SCALE, RankFacts, agree_at_start_up

@@ -14,7 +14,7 @@ import pytest
 import torch.distributed as dist
 
 from helpers import free_port
-from hetfair.distributed.agent_store import fresh_store, join_warning
+from hetfair.launch.agent_store import fresh_store, join_warning
 from hetfair.errors import DistributedError
 
 

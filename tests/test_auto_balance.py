@@ -25,7 +25,7 @@ from torch import nn
 
 from hetfair.balance import BalanceConfig, LoadBalancer
 from hetfair.logging.meters import IntervalStats
-from hetfair.distributed.stats import UpdateResult
+from hetfair.parallel.stats import UpdateResult
 from hetfair_cli.train import main
 from helpers import REPO_ROOT, TOY_PLUGIN, free_port, rank_flags, run_nodes
 

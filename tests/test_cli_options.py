@@ -324,7 +324,7 @@ def test_plain_config_holds_only_plain_data(user_dir):
 
 def test_every_numeric_core_option_declares_its_bounds():
     """Bounds live next to each option (checked after parsing, plugin defaults included), not in a table."""
-    from hetfair.distributed.per_process import PerProcessValues
+    from hetfair.launch.per_process import PerProcessValues
     from hetfair.options import Bounds, build_parser
 
     numeric = [action for action in build_parser()._actions

@@ -20,10 +20,10 @@ from hetfair.balance import BalanceConfig, LoadBalancer
 from hetfair.checkpoint import load_checkpoint
 from hetfair.data.batch_plan import BatchPlan
 from hetfair.data.update_shape import UpdateShape
-from hetfair.distributed.launch import gpu_index, plan_launch
-from hetfair.distributed.per_process import for_process
-from hetfair.distributed.slurm import tasks_on_this_node
-from hetfair.distributed.stats import UpdateResult
+from hetfair.launch.launcher import gpu_index, plan_launch
+from hetfair.launch.per_process import for_process
+from hetfair.launch.slurm import tasks_on_this_node
+from hetfair.parallel.stats import UpdateResult
 from hetfair.errors import ConfigError
 from hetfair.logging.meters import IntervalStats
 from hetfair.options import parse_train_args

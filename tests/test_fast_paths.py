@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from helpers import TOY_PLUGIN
 
 from hetfair.data.rank_batches import dummy_batch
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.errors import ConfigError
 from hetfair.optim.implementation import implementation_kwargs
 from hetfair.options import parse_train_args

@@ -33,8 +33,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair.tasks",),  # the Task base class
     ("hetfair.models", "hetfair.criteria", "hetfair.optim"),  # component base classes and registries
     ("hetfair.precision", "hetfair.compile"),  # autocast per process, the job's one loss scale; --compile
-    ("hetfair.distributed", "hetfair.parallel"),  # process groups, launching, collectives, parallelism
-    # strategies: no knowledge of components
+    ("hetfair.launch",),  # starting a job: rendezvous, launcher, supervisor, preemption
+    ("hetfair.parallel",),  # in training: process context, collectives, stats, strategies, ZeRO, FSDP
     ("hetfair.registry", "hetfair.plugins"),  # the generic registry, plugin discovery
     ("hetfair.errors", "hetfair.utils", "hetfair.rng"),  # leaves
 ]

@@ -27,7 +27,7 @@ from amp_reference import PLUGIN_DIR, Params, bert_reference, change_error, mnis
 from bert_helpers import make_data_dir
 from helpers import TOY_PLUGIN, final_parameters, free_port, run_nodes
 from hetfair.checkpoint import load_checkpoint
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.logging.meters import IntervalStats
 from hetfair.options import parse_train_args
 from hetfair.plugins import import_user_dir

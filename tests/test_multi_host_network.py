@@ -16,15 +16,15 @@ import pytest
 import torch
 
 from helpers import TOY_PLUGIN, final_parameters, rank_flags, subprocess_env, train_command
-from hetfair.distributed.native_output import CPP_LOG_LEVEL_ENV
-from hetfair.distributed.network import (
+from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV
+from hetfair.launch.network import (
     GLOO_INTERFACE_ENV,
     NCCL_INTERFACE_ENV,
     interface_addresses,
     interface_towards,
     use_interface,
 )
-from hetfair.distributed.rendezvous import SECRET_ENV
+from hetfair.launch.rendezvous import SECRET_ENV
 from hetfair_cli.train import main as train_main
 from toy_reference import assert_same, reference_parameters, toy_train_args
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import TOY_PLUGIN, run_nodes
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.optim.lr_scheduler.fixed import FixedSchedule
 from hetfair.trainer import Trainer, TrainerConfig
 

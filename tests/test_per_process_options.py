@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TOY_PLUGIN
-from hetfair.distributed.per_process import check_counts, for_process, parse_per_process
+from hetfair.launch.per_process import check_counts, for_process, parse_per_process
 from hetfair.errors import ConfigError
 from hetfair.options import parse_train_args
 from hetfair_cli.train import main as train_main

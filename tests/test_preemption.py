@@ -16,8 +16,8 @@ import torch.multiprocessing as mp
 import agreement_worker
 from helpers import TOY_PLUGIN, final_parameters, free_port, is_running, start, worker_pids
 from hetfair.checkpoint import load_checkpoint
-from hetfair.distributed import preemption
-from hetfair.distributed.launch import launch
+from hetfair.launch import preemption
+from hetfair.launch.launcher import launch
 from hetfair.options import parse_train_args
 from hetfair_cli.errors import run_cli
 from hetfair_cli.train import main as train_main

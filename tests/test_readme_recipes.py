@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 
 from helpers import REPO_ROOT, free_port, subprocess_env
-from hetfair.distributed.rendezvous import SECRET_ENV
+from hetfair.launch.rendezvous import SECRET_ENV
 from test_mnist_plugin import PLUGIN_DIR, write_mnist_dir
 
 

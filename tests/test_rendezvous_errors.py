@@ -19,8 +19,8 @@ from typing import Iterator
 import pytest
 
 from helpers import TOY_PLUGIN, rank_flags, subprocess_env, train_command
-from hetfair.distributed.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded
-from hetfair.distributed.rendezvous import SECRET_ENV
+from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded
+from hetfair.launch.rendezvous import SECRET_ENV
 
 _SLOW_START_SECONDS = 30  # interpreter and torch start-up on a loaded machine
 

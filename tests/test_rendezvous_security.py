@@ -24,8 +24,8 @@ import torch.distributed as dist
 
 from helpers import TOY_PLUGIN, free_port, rank_flags, subprocess_env, train_command, worker_pids
 from hetfair.checkpoint import load_checkpoint
-from hetfair.distributed.rendezvous import SECRET_ENV, StoreAddress, job_secret
-from hetfair.distributed.user_secret import secret_directory, user_secret
+from hetfair.launch.rendezvous import SECRET_ENV, StoreAddress, job_secret
+from hetfair.launch.user_secret import secret_directory, user_secret
 from hetfair.errors import ConfigError
 from hetfair_cli.train import main as train_main
 from test_signals_and_hangs import long_run, wait_for_line

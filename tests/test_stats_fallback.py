@@ -9,8 +9,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from hetfair.distributed.context import DistributedContext
-from hetfair.distributed.stats import sync_stats
+from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.stats import sync_stats
 from hetfair.errors import ConfigError
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.optim.lr_scheduler.fixed import FixedSchedule
 from hetfair.trainer import Trainer, TrainerConfig
 from test_overlapped_stats import SumCrossEntropy

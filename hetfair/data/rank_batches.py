@@ -9,7 +9,7 @@ from typing import Any, Callable, Iterator, Optional
 from torch.utils.data import DataLoader, Dataset
 
 from hetfair.data.batch_plan import BatchPlan
-from hetfair.distributed.supervisor import die_with_rank
+from hetfair.launch.supervisor import die_with_rank
 
 Collater = Callable[[list[Any]], dict[str, Any]]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any, Callable, Optional
 
-from hetfair.distributed.stats import UpdateResult, sum_logs
+from hetfair.parallel.stats import UpdateResult, sum_logs
 
 ReduceMetrics = Callable[[dict[str, Any]], dict[str, float]]
 

@@ -1,6 +1,6 @@
 """In-training parallelism: one :class:`Strategy` per mode, chosen by ``--ddp-backend NAME`` from a registry."""
 
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.strategy import Strategy
 from hetfair.registry import Registry

@@ -3,7 +3,7 @@
 Each rank holds a shard of every gradient, so it normalises its shards in place,
 the ranks agree on an overflow in one small all-reduce, and the global norm is a
 collective. The model and optimizer state are gathered to the master in the plain
-format of any other run (:mod:`hetfair.distributed.fsdp`), so checkpoints move freely.
+format of any other run (:mod:`hetfair.parallel.fsdp`), so checkpoints move freely.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from hetfair.parallel.strategy import Strategy
 
 
 def _fsdp() -> ModuleType:
-    from hetfair.distributed import fsdp  # torch's FSDP and distributed checkpoint: imported only when used
+    from hetfair.parallel import fsdp  # torch's FSDP and distributed checkpoint: imported only when used
 
     return fsdp
 

@@ -1,7 +1,7 @@
 """``--ddp-backend c10d``: every rank holds the whole model; DDP all-reduces the gradients.
 
 With ``--zero-sharding os`` the optimizer state is sharded (ZeRO stage 1,
-:mod:`hetfair.distributed.zero`): only the optimizer changes, gradients stay full
+:mod:`hetfair.parallel.zero`): only the optimizer changes, gradients stay full
 and identical on every rank, so normalising, clipping and overflows need no
 communication of their own.
 """
@@ -16,7 +16,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetfair.distributed import zero
+from hetfair.parallel import zero
 from hetfair.errors import ConfigError
 from hetfair.parallel import register_strategy
 from hetfair.parallel.config import ParallelConfig

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, ContextManager, Optional, Sequence
 import torch
 from torch import nn
 
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:

@@ -12,11 +12,11 @@ Modes, chosen from the options and the environment:
 * otherwise a single process without a process group, in this process.
 
 Every rank of a distributed job runs in a worker process that this command spawns and
-supervises (:mod:`hetfair.distributed.supervisor`): failures and Ctrl-C end all of them
-with one line; SIGTERM or SIGUSR1 preempts them (:mod:`hetfair.distributed.preemption`).
+supervises (:mod:`hetfair.launch.supervisor`): failures and Ctrl-C end all of them
+with one line; SIGTERM or SIGUSR1 preempts them (:mod:`hetfair.launch.preemption`).
 
 Options given per process (``--max-sentences 48,16``, ``--device-id 0,2``, see
-:mod:`hetfair.distributed.per_process`) must list one value per process started
+:mod:`hetfair.launch.per_process`) must list one value per process started
 here, or under torchrun one per worker of the node (``LOCAL_WORLD_SIZE``); each
 process receives its own. Under SLURM they may be given per node (``48:16``).
 """
@@ -36,22 +36,22 @@ from typing import Callable, Iterator, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from hetfair.distributed.agent_store import fresh_store, join_warning, uses_agent_store
-from hetfair.distributed.context import DistributedContext
-from hetfair.distributed.check_in import check_in
-from hetfair.distributed.per_process import check_counts, for_node, for_process
-from hetfair.distributed.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded
-from hetfair.distributed.network import choose_interface, use_interface
-from hetfair.distributed.rendezvous import (
+from hetfair.launch.agent_store import fresh_store, join_warning, uses_agent_store
+from hetfair.parallel.context import DistributedContext
+from hetfair.launch.check_in import check_in
+from hetfair.launch.per_process import check_counts, for_node, for_process
+from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded
+from hetfair.launch.network import choose_interface, use_interface
+from hetfair.launch.rendezvous import (
     check_store_directory,
     create_store,
     job_secret,
     parse_init_method,
     private_secret,
 )
-from hetfair.distributed.slurm import first_host, in_slurm_job, node_of, tasks_on_this_node
-from hetfair.distributed.preemption import preemptible
-from hetfair.distributed.supervisor import deadline, exit_with_parent, run_workers
+from hetfair.launch.slurm import first_host, in_slurm_job, node_of, tasks_on_this_node
+from hetfair.launch.preemption import preemptible
+from hetfair.launch.supervisor import deadline, exit_with_parent, run_workers
 from hetfair.errors import ConfigError, DistributedError, Preempted, first_line
 from hetfair.parallel import ParallelConfig, check_strategy_world
 from hetfair.plugins import import_user_dir
@@ -73,10 +73,10 @@ class LaunchPlan:
     local_rank_offset: int = 0
     use_env_store: bool = False
     secret: Optional[bytes] = None
-    """Signs the check-in (see :mod:`hetfair.distributed.rendezvous`); never stored in checkpoints."""
+    """Signs the check-in (see :mod:`hetfair.launch.rendezvous`); never stored in checkpoints."""
     interface: Optional[str] = None
     """The network interface gloo (and NCCL) use here: the loopback interface when every rank runs on this
-    machine, else the one towards the rendezvous host (see :mod:`hetfair.distributed.network`)."""
+    machine, else the one towards the rendezvous host (see :mod:`hetfair.launch.network`)."""
     private_dir: Optional[str] = None
     """The directory of a one-command job's own store, removed when the job ends."""
     node_processes: int = 0
@@ -155,7 +155,7 @@ def launch(args: argparse.Namespace, train_fn: TrainFunction) -> None:
     """Run ``train_fn`` in every process this command is responsible for.
 
     One process without a group runs here; the ranks of a distributed job run in spawned
-    worker processes (see :mod:`hetfair.distributed.supervisor`), also when this command
+    worker processes (see :mod:`hetfair.launch.supervisor`), also when this command
     starts only one of them.
     """
     args = for_node(args, node_of(os.environ) if args.distributed_init_method is None else None)
@@ -243,7 +243,7 @@ def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan, device: 
     """Meet the other ranks and build the process group, in at most ``--distributed-timeout`` (+ grace).
 
     torch's C++ log lines of the meeting are discarded unless ``--debug`` or the user's own
-    ``TORCH_CPP_LOG_LEVEL`` asks for them (see :mod:`hetfair.distributed.native_output`): what goes
+    ``TORCH_CPP_LOG_LEVEL`` asks for them (see :mod:`hetfair.launch.native_output`): what goes
     wrong is this command's one error line.
     """
     rank = plan.base_rank + index

@@ -6,7 +6,7 @@ never arrive are reported after ``--distributed-timeout`` instead of waiting for
 
 Rank 0 publishes the world size with a fresh per-job nonce; every rank publishes its
 arrival; a rank that finds a mismatch publishes an abort message. With a secret (see
-:mod:`hetfair.distributed.rendezvous`) each value carries an HMAC-SHA256 over its key, the
+:mod:`hetfair.launch.rendezvous`) each value carries an HMAC-SHA256 over its key, the
 value and the nonce, and ranks act only on values whose signature verifies.
 """
 
@@ -20,7 +20,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from hetfair.distributed.rendezvous import SECRET_ENV
+from hetfair.launch.rendezvous import SECRET_ENV
 from hetfair.errors import DistributedError, first_line
 
 _WORLD_SIZE_KEY = "hetfair/world_size"

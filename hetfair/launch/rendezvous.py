@@ -1,6 +1,6 @@
 """Where the ranks meet: the key-value store of a tcp:// or file:// rendezvous, and who may use it.
 
-The ranks then check in through it (:mod:`hetfair.distributed.check_in`).
+The ranks then check in through it (:mod:`hetfair.launch.check_in`).
 
 **Who may talk to the store.** torch's ``TCPStore`` has no authentication: whoever reaches
 the port can read and write keys. So every tcp store's check-in is signed: rank 0's
@@ -8,7 +8,7 @@ check-in, every arrival and the abort message carry an HMAC-SHA256 over the key,
 and a per-job nonce, and ranks act only on values whose signature verifies. The secret is
 ``--distributed-secret`` or :data:`SECRET_ENV`; a store on a loopback address
 (``tcp://127.0.0.1:…``, torchrun with a loopback ``MASTER_ADDR``), which only this machine's
-users reach, may instead use this user's own (:mod:`hetfair.distributed.user_secret`). It
+users reach, may instead use this user's own (:mod:`hetfair.launch.user_secret`). It
 listens on that address only, and gloo then also on the loopback interface only. A store
 on any other address listens on every interface, and its job needs the shared secret. A
 local ``--distributed-world-size N`` run meets in a ``file://`` store in a directory only
@@ -31,7 +31,7 @@ from urllib.parse import urlparse
 
 import torch.distributed as dist
 
-from hetfair.distributed.user_secret import user_secret
+from hetfair.launch.user_secret import user_secret
 from hetfair.errors import ConfigError, DistributedError, first_line
 
 SECRET_ENV = "HETFAIR_SECRET"

@@ -8,7 +8,7 @@
   :data:`STOP_GRACE_SECONDS`. Workers start with SIGINT ignored, so Ctrl-C in a terminal
   reaches the launcher alone and prints one line, not one traceback per process.
 * SIGTERM or SIGUSR1 to the launcher (a scheduler's preemption) is forwarded to every worker
-  as SIGUSR1 (see :mod:`hetfair.distributed.preemption`): they agree on an update, save and
+  as SIGUSR1 (see :mod:`hetfair.launch.preemption`): they agree on an update, save and
   exit with the preemption code, which the launcher passes on; it waits for them at most
   :data:`PREEMPT_GRACE_SECONDS`. A second SIGTERM, or SIGINT, stops them now. Workers start
   with these signals blocked and unblock them once their handlers are in place.
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
-from hetfair.distributed.preemption import PREEMPT_SIGNALS, PREEMPTED_EXIT_CODE, preemptible
+from hetfair.launch.preemption import PREEMPT_SIGNALS, PREEMPTED_EXIT_CODE, preemptible
 from hetfair.errors import DistributedError, HetfairError, Interrupted, Preempted, first_line
 
 STOP_GRACE_SECONDS = 2.0

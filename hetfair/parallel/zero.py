@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
-from hetfair.distributed.collectives import all_gather_ints
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.collectives import all_gather_ints
+from hetfair.parallel.context import DistributedContext
 from hetfair.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -36,7 +36,7 @@ def build_sharded_optimizer(
     """``recipe``'s optimizer over ``params`` (its flags in ``args``), its state sharded across the ranks
     (in proportion to ``--zero-shard-weights`` when given)."""
     weights = parse_shard_weights(shard_weights, world_size) if shard_weights else None
-    from hetfair.distributed.zero_optimizer import ShardedOptimizer  # torch.distributed.optim costs 0.65 s to import
+    from hetfair.parallel.zero_optimizer import ShardedOptimizer  # torch.distributed.optim costs 0.65 s to import
 
     return ShardedOptimizer(params, recipe.torch_class, weights, **recipe.build_kwargs(args, params))
 

@@ -21,8 +21,8 @@ from typing import Any, Mapping, Optional
 import torch
 import torch.distributed as dist
 
-from hetfair.distributed.collectives import all_gather_json, comm_device
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.collectives import all_gather_json, comm_device
+from hetfair.parallel.context import DistributedContext
 
 
 def is_summable(value: Any) -> bool:

@@ -21,7 +21,7 @@ from typing import Optional, Union
 
 import torch
 
-from hetfair.distributed.rendezvous import StoreAddress, loopback_interface
+from hetfair.launch.rendezvous import StoreAddress, loopback_interface
 from hetfair.errors import ConfigError, DistributedError
 
 IPAddress = Union[ipaddress.IPv4Address, ipaddress.IPv6Address]

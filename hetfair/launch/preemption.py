@@ -23,7 +23,7 @@ from typing import Any, Iterator, Optional
 import torch
 import torch.distributed as dist
 
-from hetfair.distributed.context import DistributedContext
+from hetfair.parallel.context import DistributedContext
 from hetfair.errors import Interrupted, Preempted
 
 PREEMPTED_EXIT_CODE = Preempted.exit_code

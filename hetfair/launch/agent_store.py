@@ -10,7 +10,7 @@ hosts a new store on a free port and publishes ``port|nonce`` in the agent store
 others read it, connect, and take the store only if it holds the same nonce: a value left
 by an earlier start names a store that is gone (or one that holds another nonce), and is
 read again until rank 0's new one replaces it. With the job's secret the published value
-is signed (see :mod:`hetfair.distributed.check_in`): one that another client wrote into
+is signed (see :mod:`hetfair.launch.check_in`): one that another client wrote into
 torchrun's store is ignored.
 """
 
@@ -24,8 +24,8 @@ from typing import Mapping, Optional
 
 import torch.distributed as dist
 
-from hetfair.distributed.check_in import Signer
-from hetfair.distributed.rendezvous import StoreAddress, host_tcp_store
+from hetfair.launch.check_in import Signer
+from hetfair.launch.rendezvous import StoreAddress, host_tcp_store
 from hetfair.errors import DistributedError, first_line
 
 USE_AGENT_STORE_ENV = "TORCHELASTIC_USE_AGENT_STORE"

@@ -1,1 +1,0 @@
-"""Process-group start-up, launching, stat synchronisation and optimizer sharding."""
