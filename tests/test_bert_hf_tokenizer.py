@@ -72,9 +72,9 @@ def assert_same_ids(spec: TokenizerSpec, lines: list[str], expected: list[list[i
 def test_the_exported_tokenizer_gives_the_training_ids_on_real_text(tmp_path, jargon, kind):
     sample = jargon[:5000:2]  # the vocabulary is trained on some lines, compared on all
     if kind.startswith("wordpiece"):
-        spec = train_tokenizer("wordpiece", sample, 2000, lowercase="cased" not in kind, out_dir=str(tmp_path))
+        spec = train_tokenizer("wordpiece", lambda: sample, 2000, lowercase="cased" not in kind, out_dir=str(tmp_path))
     elif "hetfair" in kind:
-        spec = train_tokenizer("sentencepiece", sample, 1000, lowercase=True, out_dir=str(tmp_path))
+        spec = train_tokenizer("sentencepiece", lambda: sample, 1000, lowercase=True, out_dir=str(tmp_path))
     elif "byte fallback" in kind:
         spec = train_sentencepiece(sample, tmp_path / "m.model", byte_fallback=True, character_coverage=0.99,
                                    remove_extra_whitespaces=False, split_digits=True)

@@ -43,7 +43,7 @@ def shell_env() -> dict[str, str]:
 def small_mnist(tmp_path: Path) -> Path:
     data = tmp_path / "data"
     data.mkdir()
-    return write_mnist_dir(data, n_train=16)
+    return write_mnist_dir(data, n_train=80)  # 72 after the held-out tenth: above node A's 48
 
 
 def test_the_two_node_tcp_recipe_runs_as_typed(tmp_path):
