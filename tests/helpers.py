@@ -6,6 +6,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import Sequence
 
@@ -113,3 +114,34 @@ def rank_flags(rank: int, world_size: int, init_method: str) -> list[str]:
     """The flags that make one hetfair-train command rank ``rank`` of ``world_size``, one process each."""
     return ["--distributed-world-size", str(world_size), "--distributed-rank", str(rank),
             "--distributed-gpus", "1", "--distributed-init-method", init_method]
+
+
+class LoopbackListener:
+    """A TCP server on 127.0.0.1 that accepts connections and never answers: it keeps each one open, or
+    closes it at once (``close_each``); ``accepted`` counts them."""
+
+    def __init__(self, close_each: bool = False) -> None:
+        self.server = socket.create_server(("127.0.0.1", 0))
+        self.port = self.server.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}/"
+        self.close_each = close_each
+        self.accepted = 0
+        self._open: list[socket.socket] = []
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                connection, _ = self.server.accept()
+            except OSError:
+                return
+            self.accepted += 1
+            if self.close_each:
+                connection.close()
+            else:
+                self._open.append(connection)
+
+    def close(self) -> None:
+        self.server.close()
+        for connection in self._open:
+            connection.close()

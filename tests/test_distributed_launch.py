@@ -52,42 +52,37 @@ def test_torchrun_environment(tmp_path):
     assert_same(final_parameters(save_dir), reference_parameters(update_size=32))
 
 
+def run_slurm_tasks(tmp_path: Path, tasks: list[tuple[dict[str, str], str]]) -> Path:
+    """Start the toy job once per ``(SLURM variables, --max-sentences)`` as srun would, one epoch; its save dir."""
+    save_dir = tmp_path / "ckpt"
+    port = free_port()
+    procs = []
+    for slurm_env, batch in tasks:
+        args = toy_train_args(save_dir, 1) + ["--max-sentences", batch, "--distributed-port", str(port)]
+        procs.append(subprocess.Popen(train_command(*args), cwd=tmp_path, env={**subprocess_env(), **slurm_env},
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for proc in procs:
+        _, err = proc.communicate(timeout=180)
+        assert proc.returncode == 0, err
+    return save_dir
+
+
 @pytest.mark.parametrize("batches", [("12", "20"), ("12,20", "12,20")], ids=["own-values", "one-list"])
 def test_slurm_environment(tmp_path, batches):
     """Under srun every task runs the same command: a per-process list gives each task of the node its
     SLURM_LOCALID's value."""
-    save_dir = tmp_path / "ckpt"
-    port = free_port()
-    procs = []
-    for rank, batch in enumerate(batches):
-        env = {**subprocess_env(), "SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank),
-               "SLURM_NODEID": "0", "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "127.0.0.1",
-               "SLURM_TASKS_PER_NODE": "2"}
-        args = toy_train_args(save_dir, 1) + ["--max-sentences", batch, "--distributed-port", str(port)]
-        procs.append(subprocess.Popen(train_command(*args), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
-    assert_same(final_parameters(save_dir), reference_parameters(update_size=32))
+    tasks = [({"SLURM_PROCID": str(rank), "SLURM_NTASKS": "2", "SLURM_LOCALID": str(rank), "SLURM_NODEID": "0",
+               "SLURM_JOB_NUM_NODES": "1", "SLURM_JOB_NODELIST": "127.0.0.1", "SLURM_TASKS_PER_NODE": "2"}, batch)
+             for rank, batch in enumerate(batches)]
+    assert_same(final_parameters(run_slurm_tasks(tmp_path, tasks)), reference_parameters(update_size=32))
 
 
 def test_slurm_two_nodes_with_their_own_batch_sizes_from_one_command(tmp_path):
     """srun on two nodes, one task each, every task the same command: ``12:20`` is 12 on node 0, 20 on node 1."""
-    save_dir = tmp_path / "ckpt"
-    port = free_port()
-    procs = []
-    for node in (0, 1):
-        env = {**subprocess_env(), "SLURM_PROCID": str(node), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0",
-               "SLURM_NODEID": str(node), "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2",
-               "SLURM_TASKS_PER_NODE": "1(x2)"}
-        args = toy_train_args(save_dir, 1) + ["--max-sentences", "12:20", "--distributed-port", str(port)]
-        procs.append(subprocess.Popen(train_command(*args), cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.PIPE, text=True))
-    for proc in procs:
-        _, err = proc.communicate(timeout=180)
-        assert proc.returncode == 0, err
-    assert_same(final_parameters(save_dir), reference_parameters(update_size=32))
+    tasks = [({"SLURM_PROCID": str(node), "SLURM_NTASKS": "2", "SLURM_LOCALID": "0", "SLURM_NODEID": str(node),
+               "SLURM_JOB_NUM_NODES": "2", "SLURM_JOB_NODELIST": "127.0.0.1,127.0.0.2",
+               "SLURM_TASKS_PER_NODE": "1(x2)"}, "12:20") for node in (0, 1)]
+    assert_same(final_parameters(run_slurm_tasks(tmp_path, tasks)), reference_parameters(update_size=32))
 
 
 def test_values_per_node_need_slurm_to_say_which_node_this_is(tmp_path, capsys):

@@ -11,13 +11,21 @@ from __future__ import annotations
 import os
 import re
 import signal
-import socket
 import subprocess
-import threading
 import time
 from pathlib import Path
 
-from helpers import TOY_PLUGIN, child_pids, free_port, is_running, start, subprocess_env, train_command, worker_pids
+from helpers import (
+    TOY_PLUGIN,
+    LoopbackListener,
+    child_pids,
+    free_port,
+    is_running,
+    start,
+    subprocess_env,
+    train_command,
+    worker_pids,
+)
 
 # generous for a loaded machine; the launcher itself needs at most ~2.5 s (SIGTERM, 2 s grace, SIGKILL)
 STOP_BOUND_SECONDS = 15
@@ -115,30 +123,6 @@ def test_no_temporary_checkpoint_is_left_by_a_stop(tmp_path):
     assert not [p.name for p in (tmp_path / "ckpt").iterdir() if p.name.endswith(".tmp")]
 
 
-class SilentListener:
-    """A TCP server on 127.0.0.1 that accepts connections and never says a word."""
-
-    def __init__(self) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.port = self.server.getsockname()[1]
-        self.connections: list[socket.socket] = []
-        self.thread = threading.Thread(target=self._accept, daemon=True)
-        self.thread.start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self.server.accept()
-            except OSError:
-                return
-            self.connections.append(connection)
-
-    def close(self) -> None:
-        self.server.close()
-        for connection in self.connections:
-            connection.close()
-
-
 def rank1_alone(tmp_path: Path, port: int, timeout: int) -> list[str]:
     return ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--max-epoch", "1", "--save-dir", str(tmp_path / "c"),
             "--distributed-world-size", "2", "--distributed-rank", "1", "--distributed-gpus", "1",
@@ -146,7 +130,7 @@ def rank1_alone(tmp_path: Path, port: int, timeout: int) -> list[str]:
 
 
 def test_a_rendezvous_that_accepts_and_never_answers_is_one_line_after_the_timeout(tmp_path):
-    listener = SilentListener()
+    listener = LoopbackListener()
     timeout = 8
     try:
         began = time.monotonic()
@@ -155,7 +139,7 @@ def test_a_rendezvous_that_accepts_and_never_answers_is_one_line_after_the_timeo
         elapsed = time.monotonic() - began
     finally:
         listener.close()
-    assert listener.connections  # it did get through to the silent listener
+    assert listener.accepted  # it did get through to the silent listener
     assert proc.returncode == 2
     assert err.strip().splitlines() == [
         f"hetfair-train: error: [rank 1] rank 1 got no answer from the rendezvous tcp://127.0.0.1:{listener.port} "

@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import os
 import shlex
-import socket
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
 
-from helpers import TOY_PLUGIN, subprocess_env
+from helpers import TOY_PLUGIN, LoopbackListener, subprocess_env
 from test_mnist_plugin import PLUGIN_DIR, write_mnist_dir
 from hetfair import load_model
 from hetfair.checkpoint import atomic_save, load_checkpoint
@@ -136,38 +134,19 @@ def test_bad_validate_options_are_one_line(trained, capsys, flags, message):
     assert capsys.readouterr().err.strip().splitlines() == [f"hetfair-validate: error: {message}"]
 
 
-class CountingListener:
-    """An HTTP mirror on 127.0.0.1 that counts the connections it gets and closes each at once."""
-
-    def __init__(self) -> None:
-        self.server = socket.create_server(("127.0.0.1", 0))
-        self.url = f"http://127.0.0.1:{self.server.getsockname()[1]}/"
-        self.connections = 0
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                connection, _ = self.server.accept()
-            except OSError:
-                return
-            self.connections += 1
-            connection.close()
-
-
 def test_a_mirror_named_in_the_checkpoint_is_never_contacted_only_the_command_lines(tmp_path):
     (tmp_path / "data").mkdir()
     data = write_mnist_dir(tmp_path / "data")
     assert train_main(["--user-dir", str(PLUGIN_DIR), "--task", "mnist", "--data", str(data), "--max-update", "1",
                        "--save-dir", str(tmp_path / "c"), "--mnist-cache-dir", str(tmp_path / "cache"),
                        "--log-format", "none", "--no-epoch-checkpoints"]) == 0
-    stored, given = CountingListener(), CountingListener()
+    stored, given = LoopbackListener(close_each=True), LoopbackListener(close_each=True)
     checkpoint = with_config(tmp_path / "c" / "checkpoint_last.pt", tmp_path / "m.pt", data=None,
                              mnist_mirror=[stored.url])  # validated without --data: the files are downloaded
     assert load_model(checkpoint, user_dir=PLUGIN_DIR).options.mnist_mirror is None  # the task's own mirrors
     result = validate(checkpoint, "--user-dir", str(PLUGIN_DIR), "--mnist-mirror", given.url, cwd=tmp_path)
-    assert stored.connections == 0
-    assert given.connections > 0
+    assert stored.accepted == 0
+    assert given.accepted > 0
     assert result.returncode == 2
     last = result.stderr.strip().splitlines()[-1]
     assert given.url in last and stored.url not in last, result.stderr
