@@ -137,12 +137,11 @@ class TrainingRun:
         self.train_data = self.task.dataset(config.data.train_subset)
         model = self.task.build_model(args)
         criterion = self.task.build_criterion(args)
-        check_criterion_fits(model, criterion, dummy_batch(self.train_data, self.task.collater),
-                             {"criterion": args.criterion, "task": args.task, "arch": args.arch})
+        dummy = dummy_batch(self.train_data, self.task.collater)
+        check_criterion_fits(model, criterion, dummy, {"criterion": args.criterion, "task": args.task, "arch": args.arch})
         job = self._agree()
         self.precisions = job.precisions
-        self.trainer = Trainer.from_args(args, model, criterion, context,
-                                         dummy_batch(self.train_data, self.task.collater),
+        self.trainer = Trainer.from_args(args, model, criterion, context, dummy,
                                          job_loss_scaler(job.precisions, config.precision.loss_scale))
         self.caps = self._capped_at_dataset(job.train_caps)
         self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, job.valid_caps,
@@ -179,10 +178,11 @@ class TrainingRun:
     def _capped_at_dataset(self, caps: list[int]) -> list[int]:
         """Per-rank batch sizes, none above the training set's size: a larger micro-batch holds no more samples."""
         samples = len(self.train_data)
-        if max(caps) > samples:
+        capped = [min(cap, samples) for cap in caps]
+        if capped != caps:
             self._notice(f"batch | a micro-batch holds at most the {samples} training samples: per-rank batch sizes "
-                         f"{caps} are cut to {[min(cap, samples) for cap in caps]}")
-        return [min(cap, samples) for cap in caps]
+                         f"{caps} are cut to {capped}")
+        return capped
 
     def _checkpoint_parts(self) -> dict[str, Stateful]:
         parts: dict[str, Stateful] = {"trainer": self.trainer, "position": self.position, "clock": self.clock,
