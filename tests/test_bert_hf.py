@@ -206,4 +206,4 @@ def test_export_refuses_a_model_that_is_not_bert(tmp_path, capsys):
     code = export_main(["--path", str(tmp_path / "checkpoint_last.pt"), "--to", "hf", str(tmp_path / "out"),
                         "--user-dir", str(TOY_PLUGIN)])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and len(err) == 1 and "only BERT exports" in err[0]
+    assert code == 2 and len(err) == 1 and "which does not export to Hugging Face" in err[0]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 from dataclasses import asdict, dataclass, fields
 from typing import Any, Mapping, Sequence
 
@@ -213,3 +214,15 @@ def write_hf_directory(directory: str, config: BertConfig, state: Mapping[str, t
     for name, text in tokenizer_files.items():
         with open(os.path.join(directory, name), "w", encoding="utf-8") as f:
             f.write(text)
+
+
+def success_message(outdir: str, nsp: bool) -> str:
+    """Where the export went, a shell command that loads it with ``transformers``, and which class fits."""
+    model_class = "BertForPreTraining" if nsp else "BertForMaskedLM"
+    path = json.dumps(outdir)  # a Python string literal in double quotes, whatever the path holds
+    code = (f"from transformers import AutoTokenizer, {model_class}; model = {model_class}.from_pretrained({path}); "
+            f"tokenizer = AutoTokenizer.from_pretrained({path})")
+    note = ("note: BertForMaskedLM loads it too, without the next-sentence head" if nsp else
+            "note: trained without --nsp, so it is a BertForMaskedLM: BertForPreTraining would start its "
+            "next-sentence head from random weights")
+    return f"wrote {outdir}; load it in Python with:\npython -c {shlex.quote(code)}\n{note}"

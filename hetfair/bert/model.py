@@ -195,6 +195,16 @@ class BertModel(HetfairModel):
             logger.info(line)
         return model
 
+    def export_hf(self, outdir: str, task: "Task") -> str:
+        """A ``BertForPreTraining`` (``--nsp``) or ``BertForMaskedLM`` directory with the task's tokenizer."""
+        from hetfair.bert.hf import success_message, write_hf_directory
+        from hetfair.bert.hf_tokenizer import hf_tokenizer_files
+
+        vocab, spec = task.vocab, task.tokenizer_spec  # type: ignore[attr-defined]
+        tokenizer_files = hf_tokenizer_files(spec, vocab, self.config.max_position_embeddings)  # may refuse: write after
+        write_hf_directory(outdir, self.config, self.state_dict(), self.nsp, vocab.pad, tokenizer_files)
+        return success_message(outdir, self.nsp)
+
     def forward(
         self,
         input_ids: torch.Tensor,

@@ -7,6 +7,8 @@ from typing import TYPE_CHECKING
 
 from torch import nn
 
+from hetfair.errors import ConfigError
+
 if TYPE_CHECKING:
     from hetfair.tasks import Task
 
@@ -31,3 +33,13 @@ class HetfairModel(nn.Module):
         that share a parameter (tied embeddings) must stay in the same unit or in the rest.
         """
         return []
+
+    def export_hf(self, outdir: str, task: "Task") -> str:
+        """Write this model as a Hugging Face ``transformers`` directory in ``outdir`` (``hetfair-export --to hf``)
+        and return what to tell the user (where it went, how to load it).
+
+        A family that exports overrides this; the default refuses with a
+        :class:`~hetfair.errors.ConfigError`. Refuse before writing anything where you can.
+        """
+        raise ConfigError(f"a {type(self).__name__} model does not export to Hugging Face: its family defines no "
+                          f"export_hf")
