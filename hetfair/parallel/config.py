@@ -43,7 +43,8 @@ class ParallelConfig:
         given = [flag for flag, value in (("--outer-interval", self.outer_interval), ("--outer-lr", self.outer_lr),
                                           ("--outer-momentum", self.outer_momentum)) if value is not None]
         if given:
-            raise ConfigError(f"{' and '.join(given)} need --ddp-backend localsgd or diloco "
+            verb = "need" if len(given) > 1 else "needs"
+            raise ConfigError(f"{' and '.join(given)} {verb} --ddp-backend localsgd or diloco "
                               f"(--ddp-backend {self.ddp_backend} has no outer loop)")
 
     def shared_settings(self) -> dict[str, Any]:

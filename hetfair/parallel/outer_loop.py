@@ -238,7 +238,8 @@ class LocalSGDStrategy(OuterLoopStrategy):
         given = [flag for flag, value in (("--outer-lr", config.outer_lr), ("--outer-momentum", config.outer_momentum))
                  if value is not None]
         if given:
-            raise ConfigError(f"{' and '.join(given)} need --ddp-backend diloco (localsgd averages the parameters)")
+            verb = "need" if len(given) > 1 else "needs"
+            raise ConfigError(f"{' and '.join(given)} {verb} --ddp-backend diloco (localsgd averages the parameters)")
 
 
 @register_strategy("diloco")
