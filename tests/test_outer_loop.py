@@ -238,3 +238,18 @@ def test_diloco_across_hosts_tracks_ddp_and_resumes(make_network, tmp_path, caps
     diloco("--max-update", "64")  # 8 rounds of 8
     resumed = last_window_loss(diloco())
     assert resumed <= ddp * (1 + TRACKING_TOLERANCE), (resumed, ddp)
+
+
+def test_a_node_of_two_processes_replicates_its_inner_updates(tmp_path):
+    """Node A is one command of two processes (4 + 4 samples), node B one of 24: node A's DDP inside the node
+    makes its inner update the mean over its 8 samples, the same as one process of 8 (the reference's node)."""
+    save_dir, init = tmp_path / "ckpt", f"tcp://127.0.0.1:{free_port()}"
+    common = toy_train_args(save_dir, None, DILOCO_H3)
+    node_a = [*common, "--max-sentences", "4,4", "--distributed-world-size", "3", "--distributed-rank", "0",
+              "--distributed-gpus", "2", "--distributed-init-method", init]
+    node_b = [*common, "--max-sentences", "24", "--distributed-world-size", "3", "--distributed-rank", "2",
+              "--distributed-gpus", "1", "--distributed-init-method", init]
+    for result in run_nodes([node_a, node_b], cwd=tmp_path):
+        assert result.returncode == 0, result.stderr
+    assert len(load_checkpoint(save_dir / "checkpoint_last.pt")["trainer"]["optimizer"]["outer_loop"]["rank_tensors"]) == 3
+    assert_same(final_parameters(save_dir), reference_outer_loop(adam, 3, 0.7, 0.9))
