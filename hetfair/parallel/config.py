@@ -6,6 +6,9 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Optional
 
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "auto")
+"""``--ddp-comm-hook`` choices: how the replicated strategy's DDP communicates gradients."""
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -23,13 +26,21 @@ class ParallelConfig:
     """Replicated: let DDP handle parameters that get no gradient."""
     bucket_cap_mb: float = 25.0
     """Replicated: DDP's gradient bucket size in MiB."""
+    ddp_comm_hook: str = "none"
+    """Replicated: one of :data:`COMM_HOOKS` (``none``: DDP's own exact all-reduce)."""
+    powersgd_rank: int = 1
+    """Replicated with ``powersgd``/``auto``: the rank of PowerSGD's approximation."""
+    powersgd_start_update: int = 1000
+    """Replicated with ``powersgd``/``auto``: updates with an exact all-reduce before PowerSGD starts."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ParallelConfig":
         return cls(args.ddp_backend, args.zero_sharding, args.zero_shard_weights, not args.no_reshard_after_forward,
-                   args.find_unused_parameters, args.bucket_cap_mb)
+                   args.find_unused_parameters, args.bucket_cap_mb, args.ddp_comm_hook, args.powersgd_rank,
+                   args.powersgd_start_update)
 
     def shared_settings(self) -> dict[str, Any]:
         """The flags every rank must be given alike (their collectives differ otherwise), by flag."""
         return {"--ddp-backend": self.ddp_backend, "--zero-sharding": self.zero_sharding,
-                "--zero-shard-weights": self.zero_shard_weights}
+                "--zero-shard-weights": self.zero_shard_weights, "--ddp-comm-hook": self.ddp_comm_hook,
+                "--powersgd-rank": self.powersgd_rank, "--powersgd-start-update": self.powersgd_start_update}
