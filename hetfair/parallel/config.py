@@ -8,6 +8,9 @@ from typing import Any, Optional
 
 from hetfair.errors import ConfigError
 
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "auto")
+"""``--ddp-comm-hook`` choices: how the replicated strategy's DDP communicates gradients."""
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -31,12 +34,18 @@ class ParallelConfig:
     """DiLoCo: the outer SGD's learning rate (``None``: not given, 0.7 as in the DiLoCo paper)."""
     outer_momentum: Optional[float] = None
     """DiLoCo: the outer SGD's Nesterov momentum (``None``: not given, 0.9 as in the DiLoCo paper)."""
+    ddp_comm_hook: str = "none"
+    """Replicated: one of :data:`COMM_HOOKS` (``none``: DDP's own exact all-reduce)."""
+    powersgd_rank: int = 1
+    """Replicated with ``powersgd``/``auto``: the rank of PowerSGD's approximation."""
+    powersgd_start_update: int = 1000
+    """Replicated with ``powersgd``/``auto``: updates with an exact all-reduce before PowerSGD starts."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ParallelConfig":
         return cls(args.ddp_backend, args.zero_sharding, args.zero_shard_weights, not args.no_reshard_after_forward,
                    args.find_unused_parameters, args.bucket_cap_mb, args.outer_interval, args.outer_lr,
-                   args.outer_momentum)
+                   args.outer_momentum, args.ddp_comm_hook, args.powersgd_rank, args.powersgd_start_update)
 
     def refuse_outer_flags(self) -> None:
         """For a mode without an outer loop: refuse the outer-loop flags (a :class:`ConfigError`)."""
@@ -51,4 +60,6 @@ class ParallelConfig:
         """The flags every rank must be given alike (their collectives differ otherwise), by flag."""
         return {"--ddp-backend": self.ddp_backend, "--zero-sharding": self.zero_sharding,
                 "--zero-shard-weights": self.zero_shard_weights, "--outer-interval": self.outer_interval,
-                "--outer-lr": self.outer_lr, "--outer-momentum": self.outer_momentum}
+                "--outer-lr": self.outer_lr, "--outer-momentum": self.outer_momentum,
+                "--ddp-comm-hook": self.ddp_comm_hook, "--powersgd-rank": self.powersgd_rank,
+                "--powersgd-start-update": self.powersgd_start_update}

@@ -37,6 +37,9 @@ class FullyShardedStrategy(Strategy):
         if config.zero_sharding != "none" or config.zero_shard_weights is not None:
             raise ConfigError("--ddp-backend fully_sharded already shards the optimizer state; drop --zero-sharding")
         config.refuse_outer_flags()
+        if config.ddp_comm_hook != "none":
+            raise ConfigError(f"--ddp-comm-hook {config.ddp_comm_hook} is for --ddp-backend c10d; fully_sharded "
+                              f"reduce-scatters its gradients: use --reduce-dtype bf16 to halve them")
 
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:
