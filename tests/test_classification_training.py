@@ -85,6 +85,7 @@ def finetune(workdir: Path, pretrained: Path, batch_sizes: list[int]) -> tuple[P
     results = run_nodes(commands, cwd=workdir, timeout=300)
     for result in results:
         assert result.returncode == 0, result.stderr
+        assert "leaked semaphore" not in result.stderr  # datasets' tqdm lock in a spawned rank
     records = [json.loads(line) for line in results[0].stderr.splitlines() if line.startswith("{")]
     return save_dir, [record for record in records if record["phase"] == "valid"]
 
