@@ -76,12 +76,12 @@ def finetune_flags(workdir: Path, pretrained: Path, save_dir: Path) -> list[str]
             "--log-format", "json", "--distributed-timeout", "120"]
 
 
-def finetune(workdir: Path, pretrained: Path, batch_sizes: list[int]) -> tuple[Path, list[dict]]:
-    """Save dir and valid log records of a fine-tuning run on ranks of ``batch_sizes``."""
+def finetune(workdir: Path, pretrained: Path, batch_sizes: list[int], *per_node: str) -> tuple[Path, list[dict]]:
+    """Save dir and valid log records of a fine-tuning run on ranks of ``batch_sizes`` (``per_node``: their flags)."""
     make_labelled_dir(workdir / "labelled", train=TRAIN, valid=VALID, pairs=True)
-    save_dir = workdir / f"finetuned_{'_'.join(map(str, batch_sizes))}"
+    save_dir = workdir / "_".join(["finetuned", *map(str, batch_sizes), *(f.strip("-") for f in per_node)])
     commands = node_commands(finetune_flags(workdir, pretrained, save_dir), batch_sizes,
-                             f"tcp://127.0.0.1:{free_port()}")
+                             f"tcp://127.0.0.1:{free_port()}", *per_node)
     results = run_nodes(commands, cwd=workdir, timeout=300)
     for result in results:
         assert result.returncode == 0, result.stderr
@@ -112,9 +112,10 @@ def test_the_classifier_starts_from_the_pretrained_encoder_without_its_heads(wor
     assert task.vocab_size == weights["embeddings.word.weight"].shape[0]
 
 
-def test_two_heterogeneous_ranks_train_as_one_process(workdir, pretrained, single):
+@pytest.mark.parametrize("backend", ["c10d", "fully_sharded"])
+def test_two_heterogeneous_ranks_train_as_one_process(workdir, pretrained, single, backend):
     one_dir, one_valid = single
-    two_dir, two_valid = finetune(workdir, pretrained, [6, 10])
+    two_dir, two_valid = finetune(workdir, pretrained, [6, 10], "--ddp-backend", backend)
     one, two = final_parameters(one_dir), final_parameters(two_dir)
     assert one.keys() == two.keys()
     for name in one:
