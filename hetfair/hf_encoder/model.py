@@ -81,13 +81,21 @@ class HfEncoderModel(HetfairModel):
         return self.hf_model(**{name: given[name] for name in self.inputs if given[name] is not None}).logits
 
     def export_hf(self, outdir: str, task: "Task") -> str:
-        """The model's ``save_pretrained`` (labels named as the task's) and the ``--hf-model`` folder's tokenizer."""
-        tokenizer = self._tokenizer()  # may refuse: write after
+        """The model's ``save_pretrained`` (labels named as the task's) and the tokenizer it was trained with.
+
+        That tokenizer is the task's (``task.encoder.hf_files``: the files that give its ids), or for a
+        task without one the ``--hf-model`` folder's ``AutoTokenizer``.
+        """
+        tokenizer_files = getattr(getattr(task, "encoder", None), "hf_files", None)
+        tokenizer = None if tokenizer_files else self._tokenizer()  # may refuse: write after
         names = [str(name) for name in getattr(task, "label_names", range(self.hf_model.config.num_labels))]
         self.hf_model.config.id2label = dict(enumerate(names))
         self.hf_model.config.label2id = {name: index for index, name in enumerate(names)}
         self.hf_model.save_pretrained(outdir)
-        tokenizer.save_pretrained(outdir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(outdir)
+        for name, text in (tokenizer_files or {}).items():
+            Path(outdir, name).write_text(text, encoding="utf-8")
         return (f"wrote {outdir}: load it with transformers' AutoModelForSequenceClassification.from_pretrained"
                 f"('{outdir}') and AutoTokenizer.from_pretrained('{outdir}')")
 
