@@ -9,15 +9,18 @@ batch size, longest input, AdamW and learning rate, dropout on, on 1 process (2 
 * ``plain``: the loop a transformers user writes: ``datasets.load_dataset("csv")``, ``AutoTokenizer``
   (truncation), ``DataCollatorWithPadding``, a shuffled ``DataLoader`` (``DistributedSampler`` and
   ``DistributedDataParallel`` on 2 ranks), ``AutoModelForSequenceClassification``, ``torch.optim.AdamW``
-  with its defaults, a progress line every interval;
+  with its defaults (on CPU the per-parameter loop), a progress line every interval;
+* ``plain fused``: the same loop with ``AdamW(fused=True)``, the step hetfair takes by default, so
+  that the ratio against it is the cost of the rest of hetfair (data path, stats, logging);
 * ``hetfair``: ``hetfair-train --task sentence_classification --arch hf_encoder --hf-model MINILM`` on
   the same CSV (its defaults: fused optimizer step, each update's sentences ordered by length).
 
 Every run is clocked from outside between its first progress line (the end of the warm-up) and its
 last; the contenders of one shape alternate, their order rotating every repetition. Speed = plain
-time / hetfair time per update (median of the repetitions' ratios; > 1: hetfair is faster).
+time / hetfair time per update (median of the repetitions' ratios; > 1: hetfair is faster), for
+each plain variant.
 
-    .venv/bin/python benchmarks/bench_finetune.py            # 3 repetitions (about 20 minutes on 2 busy cores)
+    .venv/bin/python benchmarks/bench_finetune.py            # 3 repetitions (about 25 minutes on 2 busy cores)
     .venv/bin/python benchmarks/bench_finetune.py --quick    # 1 repetition, fewer updates
 """
 
@@ -67,7 +70,7 @@ def write_data(directory: Path, sentences: int) -> Path:
 
 
 # -- the plain loop --------------------------------------------------------------------------------
-def plain_worker(data: Path, batch_size: int, max_length: int, updates: int, interval: int) -> None:
+def plain_worker(data: Path, batch_size: int, max_length: int, updates: int, interval: int, fused: bool) -> None:
     """The plain transformers fine-tuning loop (DDP under torchrun); a JSON progress line every ``interval``."""
     import datasets
     import torch
@@ -89,7 +92,7 @@ def plain_worker(data: Path, batch_size: int, max_length: int, updates: int, int
     loader = DataLoader(train, batch_size=batch_size, shuffle=sampler is None, sampler=sampler, drop_last=True,
                         collate_fn=transformers.DataCollatorWithPadding(tokenizer))
     model = transformers.AutoModelForSequenceClassification.from_pretrained(minilm_dir(), num_labels=2).train()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, **({"fused": True} if fused else {}))
     wrapped = DistributedDataParallel(model) if distributed else model
     done, started, epoch = 0, time.perf_counter(), 0
     while done < updates:
@@ -116,10 +119,11 @@ def launcher(ranks: int) -> list[str]:
     return [sys.executable] if ranks == 1 else torchrun(ranks)
 
 
-def plain_command(args: argparse.Namespace, ranks: int, data: Path) -> list[str]:
+def plain_command(args: argparse.Namespace, ranks: int, data: Path, fused: bool) -> list[str]:
     return launcher(ranks) + [str(Path(__file__).resolve()), "--worker", "--data", str(data),
                               "--batch-size", str(args.batch_size // ranks), "--max-length", str(args.max_length),
-                              "--updates", str(total_updates(args)), "--interval", str(args.interval)]
+                              "--updates", str(total_updates(args)), "--interval", str(args.interval),
+                              *(["--fused"] if fused else [])]
 
 
 def hetfair_command(args: argparse.Namespace, ranks: int, data: Path, save_dir: Path) -> list[str]:
@@ -141,28 +145,35 @@ def measure(args: argparse.Namespace, data: Path, save_dir: Path) -> dict[int, d
     walls: dict[int, dict[str, Samples]] = {}
     for rep in range(args.repeats):
         for ranks in args.ranks:
-            commands = {"plain": plain_command(args, ranks, data), "hetfair": hetfair_command(args, ranks, data, save_dir)}
-            names = list(commands)[rep % 2:] + list(commands)[:rep % 2]
+            commands = {"plain": plain_command(args, ranks, data, fused=False),
+                        "plain fused": plain_command(args, ranks, data, fused=True),
+                        "hetfair": hetfair_command(args, ranks, data, save_dir)}
+            shift = rep % len(commands)
+            names = list(commands)[shift:] + list(commands)[:shift]
             for name in names:
                 run = clocked_run(commands[name], subprocess_env(THREADS[ranks], str(REPO_ROOT)), timeout=3600,
                                   expected_updates=total_updates(args), cwd=REPO_ROOT)
                 walls.setdefault(ranks, {}).setdefault(name, Samples()).add(run.wall_per_update)
-                print(f"  rep {rep + 1}/{args.repeats} {ranks} rank(s) {name:8s} {run.wall_per_update * 1e3:8.1f} "
+                print(f"  rep {rep + 1}/{args.repeats} {ranks} rank(s) {name:11s} {run.wall_per_update * 1e3:8.1f} "
                       f"ms/update  (run {run.total_wall:.0f} s; {machine_note()})", flush=True)
     return walls
+
+
+def speed(plain: Samples, hetfair: Samples) -> str:
+    """Median over repetitions of plain time / hetfair time, with its min..max."""
+    ratios = Samples([ratio(p, h) for p, h in zip(plain.values, hetfair.values)])
+    return f"{ratios.median:.3f}" + (f" ({ratios.spread('{:.3f}')})" if len(ratios.values) > 1 else "")
 
 
 def report(args: argparse.Namespace, walls: dict[int, dict[str, Samples]]) -> None:
     rows = []
     for ranks, runs in walls.items():
-        plain, hetfair = runs["plain"], runs["hetfair"]
-        ratios = Samples([ratio(p, h) for p, h in zip(plain.values, hetfair.values)])
-        spread = f" ({ratios.spread('{:.3f}')})" if len(ratios.values) > 1 else ""
-        rows.append([f"{ranks} x {args.batch_size // ranks}", f"{plain.median * 1e3:.1f}",
-                     f"{hetfair.median * 1e3:.1f}", f"{ratios.median:.3f}{spread}"])
+        rows.append([f"{ranks} x {args.batch_size // ranks}",
+                     *(f"{runs[name].median * 1e3:.1f}" for name in ("plain", "plain fused", "hetfair")),
+                     speed(runs["plain"], runs["hetfair"]), speed(runs["plain fused"], runs["hetfair"])])
     print_table(f"all-MiniLM-L6-v2 fine-tuning, ms per update, median of {args.repeats} run(s); speed = plain time / "
                 f"hetfair time (> 1: hetfair faster), median (min..max) of the repetitions' ratios",
-                ["ranks x batch", "plain", "hetfair", "speed"], rows,
+                ["ranks x batch", "plain", "plain fused", "hetfair", "speed vs plain", "speed vs plain fused"], rows,
                 notes=[f"{args.sentences} Jargon File lines, at most {args.max_length} tokens, AdamW lr {LR}, "
                        f"{args.intervals * args.interval} timed updates after {args.interval} warm-up updates",
                        "1 process: 2 threads; 2 ranks: torchrun, gloo, 1 thread each"])
@@ -184,6 +195,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     worker.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     worker.add_argument("--data", type=Path, help=argparse.SUPPRESS)
     worker.add_argument("--updates", type=int, help=argparse.SUPPRESS)
+    worker.add_argument("--fused", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
         args.repeats, args.intervals = 1, 2
@@ -193,7 +205,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.worker:
-        plain_worker(args.data, args.batch_size, args.max_length, args.updates, args.interval)
+        plain_worker(args.data, args.batch_size, args.max_length, args.updates, args.interval, args.fused)
         return
     print(f"bench_finetune: {machine_note()}; hetfair from {REPO_ROOT}", flush=True)
     started = time.perf_counter()
