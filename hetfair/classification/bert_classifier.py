@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import os
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -135,10 +136,11 @@ class BertClassifier(HetfairModel):
         for name, text in task.encoder.hf_files.items():  # type: ignore[attr-defined]
             with open(os.path.join(outdir, name), "w", encoding="utf-8") as f:
                 f.write(text)
-        path = json.dumps(outdir)
-        return (f"wrote {outdir}; load it in Python with:\npython -c 'from transformers import AutoTokenizer, "
-                f"AutoModelForSequenceClassification; model = AutoModelForSequenceClassification.from_pretrained("
-                f"{path}); tokenizer = AutoTokenizer.from_pretrained({path})'")
+        path = json.dumps(outdir)  # a Python string literal in double quotes, whatever the path holds
+        code = (f"from transformers import AutoTokenizer, AutoModelForSequenceClassification; model = "
+                f"AutoModelForSequenceClassification.from_pretrained({path}); "
+                f"tokenizer = AutoTokenizer.from_pretrained({path})")
+        return f"wrote {outdir}; load it in Python with:\npython -c {shlex.quote(code)}"
 
 
 def _shaped(config: BertConfig, source: dict[str, Any], vocab_size: int, origin: str) -> BertConfig:

@@ -8,11 +8,14 @@ a file is read. Labels are class names: a label's class index is its place in th
 
 from __future__ import annotations
 
+import multiprocessing
 import os
+import sys
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 import numpy as np
+from tqdm import tqdm
 
 from hetfair.errors import ConfigError, DataError
 
@@ -88,11 +91,24 @@ def _load(path: str, builder: str, options: dict[str, Any]) -> Any:
                           "pip install 'hetfair[classification]'") from None
     datasets.disable_progress_bars()
     datasets.logging.set_verbosity_error()
+    _fork_tqdm_lock()
     try:
         return datasets.load_dataset(builder, data_files=path, split="train", **options)
     except Exception as exc:  # noqa: BLE001 - datasets wraps parser errors of every kind
         cause = exc.__cause__ or exc
         raise DataError(f"{path} cannot be read as {builder.upper()}: {str(cause).strip().splitlines()[-1]}") from exc
+
+
+def _fork_tqdm_lock() -> None:
+    """Give tqdm a lock of the fork context before ``datasets`` draws its (disabled) bars.
+
+    The first bar makes tqdm's multiprocessing lock, a semaphore. In a rank that hetfair's launcher
+    spawned, one of the spawn context is registered with the launcher's resource tracker, which
+    reports it as leaked when the rank ends ("leaked semaphore objects"); one of the fork context
+    is unlinked at creation (as :func:`hetfair.data.rank_batches.worker_context` explains).
+    """
+    if sys.platform.startswith("linux") and getattr(tqdm, "_lock", None) is None:
+        tqdm.set_lock(multiprocessing.get_context("fork").RLock())
 
 
 def _text_column(table: Any, name: str, path: str) -> list[str]:
