@@ -36,3 +36,21 @@ def save_tiny_encoder(path: Path, family: str = "bert", head: bool = False, seed
     model_class.from_config(config).save_pretrained(path)
     transformers.AutoTokenizer.from_pretrained(MINILM).save_pretrained(path)
     return path
+
+
+def plain_finetune(directory: Path, texts: list[str], labels: list[int], updates: int, lr: float,
+                   weight_decay: float, max_length: int) -> dict[str, torch.Tensor]:
+    """The plain transformers loop: every update on all ``texts`` at once (mean cross-entropy), AdamW.
+
+    The model runs in eval mode, i.e. without dropout (hetfair's side passes ``--hf-dropout 0``).
+    Returns the final weights named as hetfair's ``hf_encoder`` names them (``hf_model.`` + transformers' name).
+    """
+    model = transformers.AutoModelForSequenceClassification.from_pretrained(directory, local_files_only=True).eval()
+    tokenizer = transformers.AutoTokenizer.from_pretrained(directory)
+    batch = tokenizer(texts, padding=True, truncation=True, max_length=max_length, return_tensors="pt")
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay)
+    for _ in range(updates):
+        optimizer.zero_grad()
+        model(**batch, labels=torch.tensor(labels)).loss.backward()
+        optimizer.step()
+    return {f"hf_model.{name}": value.detach() for name, value in model.state_dict().items()}

@@ -87,7 +87,7 @@ def test_hf_dropout_zero_switches_off_every_dropout(tmp_path, family):
 
 @pytest.mark.parametrize("family", ["bert", "distilbert"])
 def test_the_export_loads_as_auto_classes_with_equal_logits(tmp_path, family):
-    model = build(save_tiny_encoder(tmp_path / "source", family), num_classes=3).eval()
+    model = build(save_tiny_encoder(tmp_path / "source", family, head=True), num_classes=3).eval()  # a 2-class head
     with torch.no_grad():
         for param in model.parameters():  # stands for training: no weight keeps its initial value
             param.add_(torch.randn_like(param) * 0.1)

@@ -3,8 +3,10 @@
 ``AutoModelForSequenceClassification.from_pretrained(DIR, num_labels=task.num_classes)`` from local
 files only: BERT, RoBERTa, DistilBERT, MiniLM ... whatever ``transformers`` loads from a folder. A
 folder holding only the encoder (a bare ``BertModel``) gets the head transformers initialises (from
-hetfair's seed, so every rank starts equal). Checkpoints hold this model's state dict, the head
-included; loading one builds the model from ``DIR`` again, then takes the checkpoint's weights.
+hetfair's seed, so every rank starts equal), as does a folder whose head has another number of
+classes. The weights are fp32 whatever the folder stores (``--precision`` casts per operation).
+Checkpoints hold this model's state dict, the head included; loading one builds the model from
+``DIR`` again, then takes the checkpoint's weights.
 
 ``transformers`` is optional (the ``hf`` extra): it is imported when the model is built, and its
 absence is one error line.
@@ -63,11 +65,11 @@ class HfEncoderModel(HetfairModel):
         config = _load_config(transformers, directory, task, args.hf_dropout)
         try:
             hf_model = transformers.AutoModelForSequenceClassification.from_pretrained(
-                directory, config=config, local_files_only=True, dtype=torch.float32)
+                directory, config=config, local_files_only=True, ignore_mismatched_sizes=True)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--hf-model {directory}: transformers cannot load its weights: "
                               f"{_first_line(exc)}") from exc
-        return cls(hf_model, directory)
+        return cls(hf_model.float(), directory)  # fp32 weights: --precision casts per op
 
     def sharding_units(self) -> list[nn.Module]:
         """The blocks of the model's own layer list (see :mod:`hetfair.hf_encoder.units`)."""
@@ -81,13 +83,21 @@ class HfEncoderModel(HetfairModel):
         return self.hf_model(**{name: given[name] for name in self.inputs if given[name] is not None}).logits
 
     def export_hf(self, outdir: str, task: "Task") -> str:
-        """The model's ``save_pretrained`` (labels named as the task's) and the ``--hf-model`` folder's tokenizer."""
-        tokenizer = self._tokenizer()  # may refuse: write after
+        """The model's ``save_pretrained`` (labels named as the task's) and the tokenizer it was trained with.
+
+        That tokenizer is the task's (``task.encoder.hf_files``: the files that give its ids), or for a
+        task without one the ``--hf-model`` folder's ``AutoTokenizer``.
+        """
+        tokenizer_files = getattr(getattr(task, "encoder", None), "hf_files", None)
+        tokenizer = None if tokenizer_files else self._tokenizer()  # may refuse: write after
         names = [str(name) for name in getattr(task, "label_names", range(self.hf_model.config.num_labels))]
         self.hf_model.config.id2label = dict(enumerate(names))
         self.hf_model.config.label2id = {name: index for index, name in enumerate(names)}
         self.hf_model.save_pretrained(outdir)
-        tokenizer.save_pretrained(outdir)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(outdir)
+        for name, text in (tokenizer_files or {}).items():
+            Path(outdir, name).write_text(text, encoding="utf-8")
         return (f"wrote {outdir}: load it with transformers' AutoModelForSequenceClassification.from_pretrained"
                 f"('{outdir}') and AutoTokenizer.from_pretrained('{outdir}')")
 
