@@ -41,7 +41,8 @@ class Validator:
         """The criterion's metrics on ``split`` (a collective when distributed)."""
         dataset = self.task.dataset(split)
         totals = dict.fromkeys(self.log_keys(split), 0.0)  # a rank without data sends the same keys
-        plan = BatchPlan(len(dataset), self.caps, seed=0, epoch=0, shuffle=False)
+        plan = BatchPlan(len(dataset), self.caps, seed=0, epoch=0, shuffle=False,
+                         sizes=getattr(dataset, "sizes", None))
         batches = RankBatches(dataset, self.task.collater, plan, self.context.rank, num_workers=self.num_workers,
                               pin_memory=self.context.device.type == "cuda")
         for sample in batches:

@@ -60,6 +60,18 @@ def epoch_order(num_samples: int, seed: int, epoch: int, shuffle: bool) -> np.nd
     return np.random.default_rng([seed, epoch]).permutation(num_samples).astype(np.int64)
 
 
+def by_length_within_updates(order: np.ndarray, sizes: np.ndarray, update_size: int) -> np.ndarray:
+    """``order`` with each update's samples (consecutive runs of ``update_size``) sorted by ``sizes``.
+
+    Length buckets for dynamic padding: each micro-batch then holds samples of similar length.
+    Which samples an update takes is unchanged, so its (summed) gradient is the same whatever
+    the ranks and steps it is split into; ties keep the shuffled order, so the plan stays a
+    function of the seed and the epoch.
+    """
+    updates = np.arange(len(order)) // update_size
+    return order[np.lexsort((np.asarray(sizes)[order], updates))]
+
+
 class BatchPlan:
     """Which sample indices each rank processes at each step of one epoch.
 
@@ -74,6 +86,8 @@ class BatchPlan:
         update_size: samples per update (default: one step's); each update's samples are cut
             into steps of ``global_batch_size``, its last step taking the rest (see
             :class:`~hetfair.data.update_shape.UpdateShape`). ``start`` is an update boundary.
+        sizes: each sample's length (a dataset's ``sizes``, e.g. in tokens); given, each update's
+            samples are ordered by length (see :func:`by_length_within_updates`).
     """
 
     def __init__(
@@ -87,6 +101,7 @@ class BatchPlan:
         start: int = 0,
         global_batch_size: int | None = None,
         update_size: int | None = None,
+        sizes: Sequence[int] | np.ndarray | None = None,
     ) -> None:
         self.caps = [int(c) for c in caps]
         self.shares = [float(s) for s in (shares if shares is not None else caps)]
@@ -95,6 +110,8 @@ class BatchPlan:
             raise ValueError(f"global batch {self.global_batch_size} does not fit capacities {self.caps}")
         self.shape = UpdateShape(update_size or self.global_batch_size, self.global_batch_size)
         self.order = epoch_order(num_samples, seed, epoch, shuffle)[start:]
+        if sizes is not None:
+            self.order = by_length_within_updates(self.order, np.asarray(sizes), self.shape.update_size)
         self.num_steps = self.shape.steps_for(len(self.order))
 
     def global_batch(self, step: int) -> np.ndarray:

@@ -69,7 +69,7 @@ class EpochUpdates:
         schedule = self.schedule
         plan = BatchPlan(len(self.dataset), schedule.caps, schedule.seed, self.epoch, shuffle=True, shares=shares,
                          start=start, global_batch_size=schedule.shape.step_size,
-                         update_size=schedule.shape.update_size)
+                         update_size=schedule.shape.update_size, sizes=getattr(self.dataset, "sizes", None))
         batches = RankBatches(self.dataset, self.collater, plan, self.rank, num_workers=self.num_workers,
                               pin_memory=self.pin_memory)
         group: list[Optional[dict[str, Any]]] = []
