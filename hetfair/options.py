@@ -251,11 +251,21 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ddp-backend", metavar="NAME", default="c10d",
                        help="parallelism strategy: c10d replicates the model (DistributedDataParallel); "
                             "fully_sharded shards parameters, gradients and optimizer state over the ranks "
-                            "(FSDP2), for models larger than the smallest device; one of: "
+                            "(FSDP2), for models larger than the smallest device; localsgd and diloco train "
+                            "each node apart and synchronise every --outer-interval updates (slow links); one of: "
                             f"{_known(STRATEGY_REGISTRY.names())}")
     group.add_argument("--no-reshard-after-forward", action="store_true",
                        help="with fully_sharded: keep each unit's parameters gathered from its forward to "
                             "its backward (less communication, more memory; ZeRO-2-like)")
+    _option(group, "--outer-interval", bounds=Bounds(1), type=int, metavar="H",
+            help="with --ddp-backend localsgd or diloco: inner updates per outer round, between two "
+                 "synchronisations across nodes (default: 8)")
+    _option(group, "--outer-lr", bounds=POSITIVE, type=float, metavar="LR",
+            help="with --ddp-backend diloco: learning rate of the outer SGD on the averaged pseudo-gradients "
+                 "(default: 0.7, as in the DiLoCo paper)")
+    _option(group, "--outer-momentum", bounds=Bounds(0.0, 1.0, open_maximum=True), type=float, metavar="M",
+            help="with --ddp-backend diloco: Nesterov momentum of the outer SGD (default: 0.9, as in the "
+                 "DiLoCo paper)")
     group.add_argument("--zero-sharding", choices=("none", "os"), default="none",
                        help="os: shard optimizer state across ranks (ZeRO stage 1); "
                             "each rank updates its shard and broadcasts it")

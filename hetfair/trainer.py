@@ -208,9 +208,9 @@ class Trainer:
         if total_sample_size <= 0:
             return None
 
-        # 3. normalise by the global sample count (the strategy already divided by world size), undo the loss scale;
+        # 3. normalise by the sample count (the strategy's: the global one, a node's in an outer loop), undo the loss scale;
         #    without loss scaling or sharding, together with clipping below (see _defers_normalising)
-        factor = self.context.world_size / total_sample_size
+        factor = self.strategy.normalising_factor(total_sample_size, synced.per_rank["sample_size"])
         grads = [p.grad for p in self.params if p.grad is not None]
         owed = factor if self._defers_normalising else 1.0
         if not self._defers_normalising and self._normalise(grads, factor):
@@ -230,6 +230,7 @@ class Trainer:
         # 5. step and schedule
         lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
+        self.strategy.after_step(self.params, synced.per_rank["sample_size"])
         self.num_updates += 1
         self.lr_scheduler.step_update(self.num_updates)
         if self.loss_scaler is not None:
@@ -237,6 +238,10 @@ class Trainer:
         clip_norm = self.config.clip_norm
         return UpdateResult(synced.totals, *timing, lr=lr, gnorm=gnorm, clipped=clip_norm > 0 and gnorm > clip_norm,
                             loss_scale=self._loss_scale())
+
+    def synchronize(self) -> None:
+        """Make the model the same on every rank (an outer loop ends its round early); before validating or saving."""
+        self.strategy.synchronize(self.params)
 
     def _normalise(self, grads: list[torch.Tensor], factor: float) -> bool:
         """Multiply the gradients by ``factor`` (and by ``1 / S`` when loss scaling); True on inf/NaN.
@@ -264,7 +269,8 @@ class Trainer:
         is not known yet: timings arrive one update late (see :attr:`UpdateResult.compute_seconds`).
         """
         totals.setdefault("sample_size", 0.0)
-        per_rank = {"samples": float(samples), "compute_seconds": self._last_seconds}
+        per_rank = {"samples": float(samples), "compute_seconds": self._last_seconds,
+                    "sample_size": float(totals["sample_size"])}
         return start_sync_stats(self.context, totals, per_rank)
 
     def _skip(self, synced: SyncedStats, timing: tuple[list[float], list[float], list[float]]) -> UpdateResult:

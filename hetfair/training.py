@@ -333,10 +333,12 @@ class TrainingRun:
             self.interval.reset()
         if end_of_epoch:
             return  # end_epoch() validates and saves
-        valid_metric = None
-        if (stopping and not self.preempted) or _every(loop.validate_interval_updates, num_updates):
-            valid_metric = self.validate()
-        if stopping or _every(self.config.checkpoint.save_interval_updates, num_updates):
+        validating = (stopping and not self.preempted) or _every(loop.validate_interval_updates, num_updates)
+        saving = stopping or _every(self.config.checkpoint.save_interval_updates, num_updates)
+        if validating or saving:
+            self.trainer.synchronize()  # every rank validates and saves the same model (an outer loop's round ends)
+        valid_metric = self.validate() if validating else None
+        if saving:
             self.checkpointer.save(self.position.epoch, num_updates, end_of_epoch=False, valid_metric=valid_metric)
         if stopping:
             self._log("train", self.epoch_stats.metrics())
@@ -345,6 +347,7 @@ class TrainingRun:
     def end_epoch(self) -> None:
         """Log the epoch, validate when due, step the epoch schedule, move to the next epoch and save."""
         finished_epoch = self.position.epoch
+        self.trainer.synchronize()
         self._log("train", self.epoch_stats.metrics())
         self.epoch_stats.reset()
         valid_metric = None

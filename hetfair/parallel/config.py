@@ -6,6 +6,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any, Optional
 
+from hetfair.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -23,13 +25,30 @@ class ParallelConfig:
     """Replicated: let DDP handle parameters that get no gradient."""
     bucket_cap_mb: float = 25.0
     """Replicated: DDP's gradient bucket size in MiB."""
+    outer_interval: Optional[int] = None
+    """Outer loop (localsgd, diloco): inner updates per outer round (``None``: not given, 8)."""
+    outer_lr: Optional[float] = None
+    """DiLoCo: the outer SGD's learning rate (``None``: not given, 0.7 as in the DiLoCo paper)."""
+    outer_momentum: Optional[float] = None
+    """DiLoCo: the outer SGD's Nesterov momentum (``None``: not given, 0.9 as in the DiLoCo paper)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ParallelConfig":
         return cls(args.ddp_backend, args.zero_sharding, args.zero_shard_weights, not args.no_reshard_after_forward,
-                   args.find_unused_parameters, args.bucket_cap_mb)
+                   args.find_unused_parameters, args.bucket_cap_mb, args.outer_interval, args.outer_lr,
+                   args.outer_momentum)
+
+    def refuse_outer_flags(self) -> None:
+        """For a mode without an outer loop: refuse the outer-loop flags (a :class:`ConfigError`)."""
+        given = [flag for flag, value in (("--outer-interval", self.outer_interval), ("--outer-lr", self.outer_lr),
+                                          ("--outer-momentum", self.outer_momentum)) if value is not None]
+        if given:
+            verb = "need" if len(given) > 1 else "needs"
+            raise ConfigError(f"{' and '.join(given)} {verb} --ddp-backend localsgd or diloco "
+                              f"(--ddp-backend {self.ddp_backend} has no outer loop)")
 
     def shared_settings(self) -> dict[str, Any]:
         """The flags every rank must be given alike (their collectives differ otherwise), by flag."""
         return {"--ddp-backend": self.ddp_backend, "--zero-sharding": self.zero_sharding,
-                "--zero-shard-weights": self.zero_shard_weights}
+                "--zero-shard-weights": self.zero_shard_weights, "--outer-interval": self.outer_interval,
+                "--outer-lr": self.outer_lr, "--outer-momentum": self.outer_momentum}

@@ -36,6 +36,7 @@ class FullyShardedStrategy(Strategy):
     def check_options(cls, config: ParallelConfig) -> None:
         if config.zero_sharding != "none" or config.zero_shard_weights is not None:
             raise ConfigError("--ddp-backend fully_sharded already shards the optimizer state; drop --zero-sharding")
+        config.refuse_outer_flags()
 
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:

@@ -38,6 +38,7 @@ class ReplicatedStrategy(Strategy):
             zero.parse_shard_weights(config.zero_shard_weights)
         if not config.reshard_after_forward:
             raise ConfigError("--no-reshard-after-forward needs --ddp-backend fully_sharded")
+        config.refuse_outer_flags()
 
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:

@@ -77,6 +77,18 @@ class Strategy:
     def agree_on_overflow(self, found_inf: torch.Tensor) -> None:
         """Make ``found_inf`` (this rank's inf/NaN flag, 0 or 1) the same on every rank, in place."""
 
+    def normalising_factor(self, total_sample_size: float, rank_sample_sizes: Sequence[float]) -> float:
+        """What the reduced gradients are multiplied by so that they are the mean over the update's samples:
+        ``world_size / total_sample_size`` (the gradient all-reduce averaged over the ranks).
+        ``rank_sample_sizes``: every rank's sample size of the update, indexed by rank."""
+        return self.context.world_size / total_sample_size
+
+    def after_step(self, params: Sequence[nn.Parameter], rank_sample_sizes: Sequence[float]) -> None:
+        """Called after each applied optimizer step, with every rank's sample size of the update."""
+
+    def synchronize(self, params: Sequence[nn.Parameter]) -> None:
+        """Make the parameters the same on every rank, before they are validated or saved (here they always are)."""
+
     def clip_grad_norm(self, params: Sequence[nn.Parameter], grads: list[torch.Tensor], owed: float,
                        clip_norm: float) -> tuple[float, float]:
         """The global norm of the normalised gradients ``owed * grads``, and the multiplier they still need:

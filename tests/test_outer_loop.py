@@ -1,0 +1,192 @@
+"""The outer loop (``--ddp-backend localsgd`` / ``diloco``): nodes train apart, pseudo-gradients weighted by samples.
+
+Each 'node' is its own hetfair-train command with its own --max-sentences (8 and 24), meeting over gloo;
+the results are compared with plain PyTorch written here: two model copies, each trained on its node's
+slice of every global batch, averaged every H updates.
+"""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+from typing import Callable, Iterable, Sequence
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers import final_parameters, free_port, node_commands, run_nodes
+from hetfair.checkpoint import load_checkpoint
+from hetfair_cli.train import main as train_main
+from toy_plugin import Blobs, ToyMLP
+from toy_reference import EPOCHS, LR, SEED, TRAIN_SIZE, assert_same, reference_parameters, toy_train_args
+
+CAPS = [8, 24]
+ADAM_LR = 0.02
+Optimizer = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+
+
+def _node_slices(batch: np.ndarray, caps: Sequence[int]) -> list[np.ndarray]:
+    """Each node's contiguous share of a global batch, in proportion to its batch size (exact for these sizes)."""
+    bounds = [0]
+    for cap in caps:
+        share = len(batch) * cap / sum(caps)
+        assert share == int(share)
+        bounds.append(bounds[-1] + int(share))
+    return [batch[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+def reference_outer_loop(inner: Optimizer, interval: int, outer_lr: float, outer_momentum: float,
+                         weighted: bool = True, caps: Sequence[int] = CAPS) -> dict[str, torch.Tensor]:
+    """Plain PyTorch DiLoCo over ``len(caps)`` nodes: every ``interval`` updates (and at each epoch's end)
+    the anchor takes a Nesterov SGD step on ``sum_r n_r * (anchor - params_r) / sum_r n_r``."""
+    torch.manual_seed(SEED)
+    model = ToyMLP(hidden=16)
+    nodes = [copy.deepcopy(model) for _ in caps]
+    optimizers = [inner(node.parameters()) for node in nodes]
+    anchor = list(model.parameters())
+    outer = torch.optim.SGD(anchor, lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+    data = Blobs(TRAIN_SIZE, seed=0)
+    samples, steps = [0] * len(caps), 0
+
+    def end_round() -> None:
+        weights = [n / sum(samples) if weighted else 1 / len(caps) for n in samples]
+        with torch.no_grad():
+            for index, point in enumerate(anchor):
+                point.grad = sum(w * (point - list(node.parameters())[index]) for w, node in zip(weights, nodes))
+        outer.step()
+        for node in nodes:
+            node.load_state_dict(model.state_dict())
+        samples[:] = [0] * len(caps)
+
+    for epoch in range(1, EPOCHS + 1):
+        order = np.random.default_rng([SEED, epoch]).permutation(TRAIN_SIZE)
+        for start in range(0, TRAIN_SIZE, sum(caps)):
+            for rank, part in enumerate(_node_slices(order[start: start + sum(caps)], caps)):
+                indices = torch.as_tensor(part)
+                optimizers[rank].zero_grad()
+                F.cross_entropy(nodes[rank](data.inputs[indices]), data.labels[indices]).backward()
+                optimizers[rank].step()
+                samples[rank] += len(part)
+            steps += 1
+            if steps % interval == 0:
+                end_round()
+        if any(samples):
+            end_round()
+            steps = 0
+    return model.state_dict()
+
+
+def plain_nesterov_sgd(lr: float, momentum: float) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: Nesterov SGD on the mean cross-entropy of each global batch (one process, no nodes)."""
+    torch.manual_seed(SEED)
+    model = ToyMLP(hidden=16)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum, nesterov=True)
+    data = Blobs(TRAIN_SIZE, seed=0)
+    for epoch in range(1, EPOCHS + 1):
+        order = np.random.default_rng([SEED, epoch]).permutation(TRAIN_SIZE)
+        for start in range(0, TRAIN_SIZE, sum(CAPS)):
+            indices = torch.as_tensor(order[start: start + sum(CAPS)])
+            optimizer.zero_grad()
+            F.cross_entropy(model(data.inputs[indices]), data.labels[indices]).backward()
+            optimizer.step()
+    return model.state_dict()
+
+
+def adam(params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=ADAM_LR)
+
+
+ADAM_FLAGS = ("--optimizer", "adam", "--lr", str(ADAM_LR))
+DILOCO_H3 = ("--ddp-backend", "diloco", "--outer-interval", "3", *ADAM_FLAGS)
+
+
+def run_nodes_ok(save_dir: Path, cwd: Path, *flags: str) -> list[str]:
+    """The two-node toy job (batch sizes 8 and 24) with ``flags``; each node's stderr."""
+    commands = node_commands(toy_train_args(save_dir, None, flags), CAPS, f"tcp://127.0.0.1:{free_port()}")
+    results = run_nodes(commands, cwd=cwd)
+    for result in results:
+        assert result.returncode == 0, result.stderr
+    return [result.stderr for result in results]
+
+
+@pytest.mark.parametrize("flags, expected", [
+    (("--ddp-backend", "localsgd", "--outer-interval", "1"), lambda: reference_parameters(update_size=32)),
+    (("--ddp-backend", "diloco", "--outer-interval", "1", "--outer-lr", "0.7", "--outer-momentum", "0.9"),
+     lambda: plain_nesterov_sgd(lr=LR * 0.7, momentum=0.9)),
+], ids=["localsgd-is-plain-sgd", "diloco-is-nesterov-sgd"])
+def test_one_inner_sgd_update_per_round_is_the_sample_weighted_update(tmp_path, flags, expected):
+    """With H = 1 and inner SGD, the weighted pseudo-gradient is ``lr`` times the global batch's mean gradient:
+    localsgd is the c10d update, diloco Nesterov SGD of learning rate ``lr * outer_lr`` (equal to float
+    rounding: the same tolerance as the exact modes)."""
+    run_nodes_ok(tmp_path / "ckpt", tmp_path, *flags)
+    assert_same(final_parameters(tmp_path / "ckpt"), expected())
+
+
+def test_pseudo_gradients_are_weighted_by_samples(tmp_path):
+    """H = 3 and inner Adam on nodes of 8 and 24 samples per update: the same arithmetic as the plain PyTorch
+    reference, so the same tolerance as the exact modes (float rounding only)."""
+    run_nodes_ok(tmp_path / "ckpt", tmp_path, *DILOCO_H3)
+    assert_same(final_parameters(tmp_path / "ckpt"), reference_outer_loop(adam, 3, 0.7, 0.9))
+
+
+def test_the_reference_tells_weighted_from_uniform_averages():
+    """Guards the test above: averaging the nodes' pseudo-gradients uniformly gives other parameters."""
+    weighted = reference_outer_loop(adam, 3, 0.7, 0.9)
+    uniform = reference_outer_loop(adam, 3, 0.7, 0.9, weighted=False)
+    assert not all(torch.allclose(weighted[k], uniform[k], rtol=1e-4, atol=1e-5) for k in weighted)
+
+
+@pytest.fixture(scope="module")
+def round_checkpoint(tmp_path_factory) -> Path:
+    """The save directory of the two-node diloco job stopped after update 6, the end of its second round."""
+    tmp_path = tmp_path_factory.mktemp("round")
+    run_nodes_ok(tmp_path / "ckpt", tmp_path, *DILOCO_H3, "--max-update", "6")
+    return tmp_path / "ckpt"
+
+
+def test_resume_at_a_round_boundary_is_exact(round_checkpoint, tmp_path):
+    """The checkpoint holds each rank's inner Adam state (they differ: the nodes saw other samples) and the
+    outer momentum; resuming from it ends where the uninterrupted run does."""
+    save_dir = tmp_path / "ckpt"
+    save_dir.mkdir()
+    (save_dir / "checkpoint_last.pt").write_bytes((round_checkpoint / "checkpoint_last.pt").read_bytes())
+    saved = load_checkpoint(save_dir / "checkpoint_last.pt")["trainer"]
+    assert saved["num_updates"] == 6
+    rank_0, rank_1 = saved["optimizer"]["outer_loop"]["rank_tensors"]
+    assert not all(torch.equal(a, b) for a, b in zip(rank_0, rank_1))
+    assert saved["optimizer"]["outer_loop"]["outer"]["state"]  # the outer momentum buffers
+    run_nodes_ok(save_dir, tmp_path, *DILOCO_H3)
+    assert load_checkpoint(save_dir / "checkpoint_last.pt")["trainer"]["num_updates"] == 14
+    assert_same(final_parameters(save_dir), reference_outer_loop(adam, 3, 0.7, 0.9))
+
+
+def test_resume_on_another_world_size_restarts_the_inner_states_with_one_line(round_checkpoint, tmp_path, capsys):
+    code = train_main(toy_train_args(tmp_path / "ckpt", None, (*DILOCO_H3, "--max-update", "7", "--max-sentences",
+                                                               "32", "--log-format", "simple", "--restore-file",
+                                                               str(round_checkpoint / "checkpoint_last.pt"))))
+    err = capsys.readouterr().err
+    assert code == 0, err
+    assert err.count("inner optimizer states of 2 ranks, this run has 1: every rank's inner state restarts from "
+                     "rank 0's") == 1, err
+
+
+BAD_FLAGS = [
+    (["--outer-interval", "4"], "--outer-interval needs --ddp-backend localsgd or diloco (--ddp-backend c10d has no "
+                                "outer loop)"),
+    (["--ddp-backend", "fully_sharded", "--outer-lr", "0.5"], "--outer-lr needs --ddp-backend localsgd or diloco"),
+    (["--ddp-backend", "localsgd", "--outer-momentum", "0.5"], "--outer-momentum needs --ddp-backend diloco "
+                                                               "(localsgd averages the parameters)"),
+    (["--ddp-backend", "diloco", "--outer-interval", "0"], "--outer-interval must be at least 1, got 0"),
+    (["--ddp-backend", "diloco", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1), got 1.0"),
+    (["--ddp-backend", "diloco", "--zero-sharding", "os"], "--ddp-backend diloco keeps each node's optimizer "
+                                                           "state whole; drop --zero-sharding"),
+]
+
+
+@pytest.mark.parametrize("flags, message", BAD_FLAGS, ids=[" ".join(flags) for flags, _ in BAD_FLAGS])
+def test_bad_outer_loop_flags_are_one_line(tmp_path, capsys, flags, message):
+    code = train_main(toy_train_args(tmp_path / "ckpt", None, tuple(flags)))
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert line.startswith("hetfair-train: error: ") and message in line, line
