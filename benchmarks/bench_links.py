@@ -34,6 +34,8 @@ import argparse
 import itertools
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -65,7 +67,6 @@ MODES: dict[str, list[str]] = {
     "bf16": ["--ddp-comm-hook", "bf16"],
     "powersgd": ["--ddp-comm-hook", "powersgd", "--powersgd-rank", "4", "--powersgd-start-update", "2"],
     "hsdp-bf16": ["--ddp-backend", "hybrid_sharded", "--reduce-dtype", "bf16"],
-    "localsgd": ["--ddp-backend", "localsgd", "--outer-interval", "4"],
     "diloco": ["--ddp-backend", "diloco", "--outer-interval", "4"],
 }
 """hetfair's modes for slow links, by name: the flags that turn each on."""
@@ -243,6 +244,7 @@ def run_job(network: Network, setting: Setting, workdir: Path, mode: Optional[Se
         state = torch.load(save_dir / "plain.pt", weights_only=True)
     else:
         state = torch.load(save_dir / "checkpoint_last.pt", weights_only=True)["trainer"]["model"]
+    shutil.rmtree(save_dir)
     return Result(world * setting.batch / clock.wall_per_update, valid_loss(setting, state))
 
 
@@ -260,6 +262,8 @@ def single_node_speeds(network: Network, setting: Setting, workdir: Path) -> lis
             speeds[index] = setting.batch / clock.wall_per_update
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
+        finally:
+            shutil.rmtree(save_dir, ignore_errors=True)
 
     threads = [threading.Thread(target=one, args=(index,)) for index in range(len(network.hosts))]
     for thread in threads:
@@ -322,17 +326,17 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--nodes", default="2,4", help="comma-separated node counts")
     parser.add_argument("--rates", default="50mbit,200mbit", help="comma-separated link rates (tc units)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
-    parser.add_argument("--batch", type=int, default=16, help="samples per node and update")
-    parser.add_argument("--updates", type=int, default=12, help="updates per run")
-    parser.add_argument("--interval", type=int, default=3, help="updates per progress line; the first is warm-up")
+    parser.add_argument("--batch", type=int, default=8, help="samples per node and update")
+    parser.add_argument("--updates", type=int, default=8, help="updates per run")
+    parser.add_argument("--interval", type=int, default=2, help="updates per progress line; the first is warm-up")
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every node")
     parser.add_argument("--workdir", type=Path, help="data and checkpoints (default: a new temporary directory)")
-    parser.add_argument("--quick", action="store_true", help="bert_tiny, 2 nodes, the first rate, 9 updates")
+    parser.add_argument("--quick", action="store_true", help="bert_tiny, 2 nodes, the first rate, 6 updates")
     parser.add_argument("--plain-worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
     if options.quick:
-        options.archs, options.nodes, options.updates, options.interval = "bert_tiny", "2", 9, 3
+        options.archs, options.nodes, options.updates = "bert_tiny", "2", 6
         options.rates = options.rates.split(",")[0]
     if options.updates % options.interval or options.updates < 2 * options.interval:
         parser.error("--updates must be a multiple of --interval, at least two intervals")
@@ -348,6 +352,7 @@ def main() -> None:
     reason = unavailable()
     if reason is not None:
         raise SystemExit(f"bench_links: {reason}")
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped benchmark removes its namespaces too
     workdir = options.workdir or Path(tempfile.mkdtemp(prefix="hetfair-links-"))
     workdir.mkdir(parents=True, exist_ok=True)
     data = prepare_data(workdir)
