@@ -23,13 +23,19 @@ class ParallelConfig:
     """Replicated: let DDP handle parameters that get no gradient."""
     bucket_cap_mb: float = 25.0
     """Replicated: DDP's gradient bucket size in MiB."""
+    reduce_dtype: str = "fp32"
+    """Fully or hybrid sharded: the dtype gradients are reduce-scattered (and all-reduced) in, ``fp32`` or ``bf16``."""
+    shard_group_size: Optional[int] = None
+    """Hybrid sharded: shard over this many consecutive ranks (default: the ranks of each node)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ParallelConfig":
         return cls(args.ddp_backend, args.zero_sharding, args.zero_shard_weights, not args.no_reshard_after_forward,
-                   args.find_unused_parameters, args.bucket_cap_mb)
+                   args.find_unused_parameters, args.bucket_cap_mb, reduce_dtype=args.reduce_dtype,
+                   shard_group_size=args.shard_group_size)
 
     def shared_settings(self) -> dict[str, Any]:
         """The flags every rank must be given alike (their collectives differ otherwise), by flag."""
         return {"--ddp-backend": self.ddp_backend, "--zero-sharding": self.zero_sharding,
-                "--zero-shard-weights": self.zero_shard_weights}
+                "--zero-shard-weights": self.zero_shard_weights, "--reduce-dtype": self.reduce_dtype,
+                "--shard-group-size": self.shard_group_size}
