@@ -255,8 +255,8 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                             "each node and replicates across nodes (for slow links between them); one of: "
                             f"{_known(STRATEGY_REGISTRY.names())}")
     group.add_argument("--no-reshard-after-forward", action="store_true",
-                       help="with fully_sharded: keep each unit's parameters gathered from its forward to "
-                            "its backward (less communication, more memory; ZeRO-2-like)")
+                       help="with fully_sharded or hybrid_sharded: keep each unit's parameters gathered from "
+                            "its forward to its backward (less communication, more memory; ZeRO-2-like)")
     group.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
                        help="with fully_sharded or hybrid_sharded: the dtype gradients are reduced in; bf16 "
                             "halves the bytes sent (parameters and the update stay fp32; not exact)")

@@ -52,31 +52,45 @@ def test_hybrid_update_is_the_plain_update_with_uneven_batches(tmp_path):
     assert_same(actual, reference_parameters(update_size=32 * 2, clip_norm=clip))
 
 
-def test_two_hosts_of_two_processes_shard_inside_each_host(make_network, tmp_path):
-    """No --shard-group-size: the ranks find their hosts, even where each host's ranks are not consecutive
-    (host 0 runs ranks 0 and 2), and replicate across the two hosts' link."""
-    network = make_network(2)
+def start_on_hosts(network, tmp_path: Path, hosts: list[int], batches: list[int], *extra: str) -> list[tuple[int, str]]:
+    """Rank ``r`` of a hybrid toy job on host ``hosts[r]`` with batch ``batches[r]``: each command's exit code and
+    stderr (the log goes there)."""
     init = f"tcp://{network.hosts[0].address}:29500"
     env = {name: value for name, value in subprocess_env().items() if name != GLOO_INTERFACE_ENV}
     env[SECRET_ENV] = "the job's secret"
     procs = []
-    for rank, batch in enumerate([4, 12, 6, 10]):
-        args = toy_train_args(tmp_path / "ckpt", 1) + ["--max-sentences", str(batch), *rank_flags(rank, 4, init),
-                                                       "--ddp-backend", "hybrid_sharded", "--log-format", "json"]
-        procs.append(subprocess.Popen(network.hosts[rank % 2].command(*train_command(*args)), cwd=tmp_path, env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    for rank, (host, batch) in enumerate(zip(hosts, batches)):
+        args = toy_train_args(tmp_path / "ckpt", 1) + ["--max-sentences", str(batch),
+                                                       *rank_flags(rank, len(hosts), init),
+                                                       "--ddp-backend", "hybrid_sharded", *extra]
+        procs.append(subprocess.Popen(network.hosts[host].command(*train_command(*args)), cwd=tmp_path, env=env,
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
     try:
-        outputs = [proc.communicate(timeout=240) for proc in procs]
+        errors = [proc.communicate(timeout=240)[1] for proc in procs]
+        return [(proc.returncode, err) for proc, err in zip(procs, errors)]
     finally:
         for proc in procs:
             proc.kill()
             proc.wait()
-    for proc, (_, err) in zip(procs, outputs):
-        assert proc.returncode == 0, err
-    records = [json.loads(line) for line in outputs[0][1].splitlines() if line.startswith("{")]  # the log: stderr
+
+
+def test_two_hosts_of_two_processes_shard_inside_each_host(make_network, tmp_path):
+    """No --shard-group-size: the ranks find their hosts, even where each host's ranks are not consecutive
+    (host 0 runs ranks 0 and 2), and replicate across the two hosts' link."""
+    results = start_on_hosts(make_network(2), tmp_path, [0, 1, 0, 1], [4, 12, 6, 10], "--log-format", "json")
+    for code, err in results:
+        assert code == 0, err
+    records = [json.loads(line) for line in results[0][1].splitlines() if line.startswith("{")]
     [mesh] = [record for record in records if record["phase"] == "zero"]
     assert (mesh["nodes"], mesh["ranks_per_node"]) == (2, 2)
     assert_same(final_parameters(tmp_path / "ckpt"), reference_parameters(update_size=32))
+
+
+def test_hosts_with_unequal_numbers_of_processes_are_one_line(make_network, tmp_path):
+    for code, err in start_on_hosts(make_network(2), tmp_path, [0, 0, 1], [8, 8, 16]):
+        [line] = err.splitlines()
+        assert code == 2 and "needs the same number of processes on every node, but the job has ranks 0, 1 on " \
+                             "one node; ranks 2 on one node" in line, err
 
 
 def adam_args(max_update: int) -> tuple[str, ...]:
@@ -115,6 +129,15 @@ def test_hybrid_fp16_skips_the_same_overflowing_updates_as_replicated_ranks(tmp_
     scales = [torch.load(tmp_path / run / "checkpoint_last.pt", weights_only=True)["loss_scale"]
               for run in ("hybrid", "ddp")]
     assert scales[0] == scales[1] and scales[0]["scale"] < 2**18  # the same overflows were skipped
+
+
+def test_ranks_with_different_reduce_dtypes_fail_together(tmp_path):
+    init = f"tcp://127.0.0.1:{free_port()}"
+    commands = [toy_train_args(tmp_path / "ckpt", 1, ("--ddp-backend", "fully_sharded", "--reduce-dtype", dtype))
+                + rank_flags(rank, 2, init) for rank, dtype in enumerate(["bf16", "fp32"])]
+    for result in run_nodes(commands, cwd=tmp_path, timeout=120):
+        assert result.returncode == 2 and "--reduce-dtype bf16 on rank 0, fp32 on rank 1" in result.stderr, \
+            result.stderr
 
 
 @pytest.mark.parametrize("flags, message", [

@@ -45,7 +45,7 @@ class FullyShardedStrategy(Strategy):
         if config.zero_sharding != "none" or config.zero_shard_weights is not None:
             raise ConfigError(f"--ddp-backend {config.ddp_backend} already shards the optimizer state; "
                               f"drop --zero-sharding")
-        if config.shard_group_size is not None and config.ddp_backend == "fully_sharded":
+        if config.shard_group_size is not None:
             raise ConfigError("--shard-group-size needs --ddp-backend hybrid_sharded (fully_sharded shards over "
                               "all ranks)")
 

@@ -15,6 +15,7 @@ groups of N consecutive ranks (also to try the mode on one machine).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -38,6 +39,10 @@ class HybridShardedStrategy(FullyShardedStrategy):
         super().__init__(config, context)
         self.layout: list[list[int]] = []
         """The ranks of each node (a row of the mesh), once the model is sharded."""
+
+    @classmethod
+    def check_options(cls, config: ParallelConfig) -> None:
+        super().check_options(replace(config, shard_group_size=None))  # the one flag fully_sharded refuses is ours
 
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:
