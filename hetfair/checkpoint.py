@@ -12,6 +12,8 @@ A checkpoint is one ``torch.save`` dict with these top-level keys (format 2)::
     batch           global_batch_size and update_freq: the samples of each update, kept on resume
     balance         the load balancer's split and measurements (only with --auto-balance)
     loss_scale      the job's loss scale and its updates without overflow (only when a rank runs fp16)
+    comm            PowerSGD's state of every rank, by parameter: error feedback, P/Q, step, generator
+                    (only with --ddp-comm-hook powersgd/auto on several processes)
     rng             Python, numpy and torch generator states
 
 Each part but ``config`` and ``best_metric`` is the ``state_dict()`` of one stateful object

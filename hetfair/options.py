@@ -22,7 +22,7 @@ from hetfair.errors import ConfigError
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.optim.implementation import IMPLEMENTATIONS
-from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig, check_strategy_options
+from hetfair.parallel import COMM_HOOKS, STRATEGY_REGISTRY, ParallelConfig, check_strategy_options
 from hetfair.plugins import import_user_dir
 from hetfair.precision import parse_precision
 from hetfair.tasks import TASK_REGISTRY
@@ -280,6 +280,15 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--zero-shard-weights", metavar="W0,W1,...",
                        help="with --zero-sharding os: one weight per rank (e.g. GPU memory); a rank's "
                             "shard grows in proportion (default: equal shards)")
+    group.add_argument("--ddp-comm-hook", choices=COMM_HOOKS, default="none",
+                       help="with c10d: how DDP communicates gradients; none: the exact fp32 all-reduce; "
+                            "fp16/bf16 (lossy): compressed to half precision; powersgd (lossy): low-rank "
+                            "PowerSGD with error feedback; auto: measure link and compute, then choose "
+                            "(see the comm | line)")
+    _option(group, "--powersgd-rank", bounds=Bounds(1), type=int, default=1, metavar="R",
+            help="with --ddp-comm-hook powersgd/auto: rank of PowerSGD's low-rank approximation")
+    _option(group, "--powersgd-start-update", bounds=Bounds(2), type=int, default=1000, metavar="N",
+            help="with --ddp-comm-hook powersgd/auto: the first N updates are exact all-reduces")
 
 
 def add_balance_args(parser: argparse.ArgumentParser) -> None:

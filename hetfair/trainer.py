@@ -277,6 +277,7 @@ class Trainer:
         """Drop an overflowed update on this rank (every rank does the same) and lower the loss scale."""
         assert self.loss_scaler is not None
         self.optimizer.zero_grad(set_to_none=True)
+        self.strategy.discard_update()
         self.loss_scaler.update(overflow=True)
         return UpdateResult(synced.totals, *timing,
                             lr=self.optimizer.param_groups[0]["lr"], gnorm=0.0, clipped=False, skipped=True,

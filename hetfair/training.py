@@ -17,6 +17,8 @@ from hetfair.criteria.fit import check_criterion_fits
 from hetfair.data.epoch_updates import EpochSchedule, EpochUpdates, Update
 from hetfair.data.rank_batches import dummy_batch
 from hetfair.data.update_shape import UpdateShape
+from hetfair.parallel.comm_advice import CommAdvisor, LinkMeasurement
+from hetfair.parallel.comm_hooks import CommStatePart
 from hetfair.parallel.context import DistributedContext
 from hetfair.launch.preemption import StopAgreement, requested_by
 from hetfair.parallel.stats import UpdateResult
@@ -143,6 +145,8 @@ class TrainingRun:
         self.precisions = job.precisions
         self.trainer = Trainer.from_args(args, model, criterion, context, dummy,
                                          job_loss_scaler(job.precisions, config.precision.loss_scale))
+        self.comm = self.trainer.strategy.gradient_comm()
+        self.comm_part = CommStatePart(self.comm, self._notice) if self.comm and self.comm.powersgd else None
         self.caps = self._capped_at_dataset(job.train_caps)
         self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, job.valid_caps,
                                    config.data.num_workers,
@@ -164,6 +168,7 @@ class TrainingRun:
         self.preempted = False  # every rank agreed to save and stop after the current update
         self._check_best_metric_exists()
         self.restored_from = self._restore()
+        self.comm_advisor = self._measure_link()
         self._announce(model)
 
     def _agree(self) -> JobFacts:
@@ -192,6 +197,8 @@ class TrainingRun:
             parts["balance"] = BalancerPart(lambda: self.balancer, self._notice)
         if self.trainer.loss_scaler is not None:
             parts["loss_scale"] = self.trainer.loss_scaler
+        if self.comm_part is not None:
+            parts["comm"] = self.comm_part
         parts["rng"] = RngState()  # last: restoring the other parts must not disturb the generators
         return parts
 
@@ -303,6 +310,7 @@ class TrainingRun:
             self.interval.add(result, seconds)
             self.epoch_stats.add(result, seconds)
             self._rebalance(result)
+            self._advise_comm(result)
         # the bar's loss: of the updates since the last train_inner line, from the stats already synced
         self.progress.step(len(update.micro_batches), self.interval.criterion_metrics)
 
@@ -313,6 +321,23 @@ class TrainingRun:
         split = self.balancer.observe(result.timed_samples, result.compute_seconds)
         if split is not None:
             self._log("balance", {f"split{rank}": count for rank, count in enumerate(split)})
+
+    def _measure_link(self) -> Optional[CommAdvisor]:
+        """Time one all-reduce of the gradients' size (a collective), for the ``comm |`` line; where the
+        strategy's gradients travel in one (a replicated run of several processes)."""
+        if self.comm is None:
+            return None
+        link = LinkMeasurement(self.comm.gradient_bytes, self.comm.time_all_reduce(),
+                               self.comm.powersgd_bytes(self.config.parallel.powersgd_rank))
+        kept = self.comm.mode if self.comm.requested == "auto" and self.comm.mode != "none" else None
+        return CommAdvisor(link, self.comm.requested, kept)
+
+    def _advise_comm(self, result: UpdateResult) -> None:
+        """Once the compute time is known: log the ``comm |`` line; with ``auto``, switch to its choice."""
+        advice = self.comm_advisor.observe(result.compute_seconds) if self.comm_advisor else None
+        if advice is not None and self.comm is not None:
+            self.comm.select(advice.chosen)
+            self._notice(advice.line())
 
     def _report_optimizer_shards(self) -> None:
         """Log each rank's shard and optimizer-state bytes once, after the first update (a collective where
@@ -399,6 +424,8 @@ class TrainingRun:
         if path is None:
             self._say_what_no_save_leaves_alone()
             return None
+        if self.comm_part is not None and not self.comm_part.loaded:
+            self.comm_part.load_state_dict({})  # a checkpoint without PowerSGD state: says it starts afresh
         self.progress.log("restore", {"samples_done": self.position.samples_done}, self.position.epoch,
                           self.trainer.num_updates)
         changed = self.trainer.optimizer_overrides

@@ -1,7 +1,8 @@
 """In-training parallelism: one :class:`Strategy` per mode, chosen by ``--ddp-backend NAME`` from a registry."""
 
 from hetfair.parallel.context import DistributedContext
-from hetfair.parallel.config import ParallelConfig
+from hetfair.errors import ConfigError
+from hetfair.parallel.config import COMM_HOOKS, ParallelConfig
 from hetfair.parallel.strategy import Strategy
 from hetfair.registry import Registry
 
@@ -18,7 +19,11 @@ register_strategy = STRATEGY_REGISTRY.register
 
 def check_strategy_options(config: ParallelConfig) -> None:
     """The chosen strategy exists and accepts the other flags (at option parsing)."""
-    STRATEGY_REGISTRY.get(config.ddp_backend).check_options(config)
+    strategy = STRATEGY_REGISTRY.get(config.ddp_backend)
+    strategy.check_options(config)
+    if config.ddp_comm_hook != "none" and not strategy.takes_comm_hook:
+        raise ConfigError(f"--ddp-comm-hook {config.ddp_comm_hook} is a DDP communication hook, for --ddp-backend "
+                          f"c10d; strategy {config.ddp_backend} takes none: drop --ddp-comm-hook")
 
 
 def check_strategy_world(config: ParallelConfig, world_size: int) -> None:
@@ -31,5 +36,5 @@ def build_strategy(config: ParallelConfig, context: DistributedContext) -> Strat
     return STRATEGY_REGISTRY.get(config.ddp_backend)(config, context)
 
 
-__all__ = ["ParallelConfig", "Strategy", "STRATEGY_REGISTRY", "register_strategy", "build_strategy",
+__all__ = ["COMM_HOOKS", "ParallelConfig", "Strategy", "STRATEGY_REGISTRY", "register_strategy", "build_strategy",
            "check_strategy_options", "check_strategy_world"]

@@ -8,6 +8,9 @@ from typing import Any, Optional
 
 from hetfair.errors import ConfigError
 
+COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "auto")
+"""``--ddp-comm-hook`` choices: how the replicated strategy's DDP communicates gradients."""
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -35,12 +38,20 @@ class ParallelConfig:
     """Fully or hybrid sharded: the dtype gradients are reduce-scattered (and all-reduced) in, ``fp32`` or ``bf16``."""
     shard_group_size: Optional[int] = None
     """Hybrid sharded: shard over this many consecutive ranks (default: the ranks of each node)."""
+    ddp_comm_hook: str = "none"
+    """Replicated: one of :data:`COMM_HOOKS` (``none``: DDP's own exact all-reduce)."""
+    powersgd_rank: int = 1
+    """Replicated with ``powersgd``/``auto``: the rank of PowerSGD's approximation."""
+    powersgd_start_update: int = 1000
+    """Replicated with ``powersgd``/``auto``: updates with an exact all-reduce before PowerSGD starts."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ParallelConfig":
         return cls(args.ddp_backend, args.zero_sharding, args.zero_shard_weights, not args.no_reshard_after_forward,
                    args.find_unused_parameters, args.bucket_cap_mb, args.outer_interval, args.outer_lr,
-                   args.outer_momentum, reduce_dtype=args.reduce_dtype, shard_group_size=args.shard_group_size)
+                   args.outer_momentum, reduce_dtype=args.reduce_dtype, shard_group_size=args.shard_group_size,
+                   ddp_comm_hook=args.ddp_comm_hook, powersgd_rank=args.powersgd_rank,
+                   powersgd_start_update=args.powersgd_start_update)
 
     def refuse_outer_flags(self) -> None:
         """For a mode without an outer loop: refuse the outer-loop flags (a :class:`ConfigError`)."""
@@ -56,4 +67,6 @@ class ParallelConfig:
         return {"--ddp-backend": self.ddp_backend, "--zero-sharding": self.zero_sharding,
                 "--zero-shard-weights": self.zero_shard_weights, "--outer-interval": self.outer_interval,
                 "--outer-lr": self.outer_lr, "--outer-momentum": self.outer_momentum,
-                "--reduce-dtype": self.reduce_dtype, "--shard-group-size": self.shard_group_size}
+                "--reduce-dtype": self.reduce_dtype, "--shard-group-size": self.shard_group_size,
+                "--ddp-comm-hook": self.ddp_comm_hook, "--powersgd-rank": self.powersgd_rank,
+                "--powersgd-start-update": self.powersgd_start_update}

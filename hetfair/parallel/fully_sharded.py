@@ -49,6 +49,9 @@ class FullyShardedStrategy(Strategy):
             raise ConfigError("--shard-group-size needs --ddp-backend hybrid_sharded (fully_sharded shards over "
                               "all ranks)")
         config.refuse_outer_flags()
+        if config.ddp_comm_hook != "none":
+            raise ConfigError(f"--ddp-comm-hook {config.ddp_comm_hook} is for --ddp-backend c10d; "
+                              f"{config.ddp_backend} reduce-scatters its gradients: use --reduce-dtype bf16 to halve them")
 
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:

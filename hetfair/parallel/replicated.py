@@ -3,7 +3,9 @@
 With ``--zero-sharding os`` the optimizer state is sharded (ZeRO stage 1,
 :mod:`hetfair.parallel.zero`): only the optimizer changes, gradients stay full
 and identical on every rank, so normalising, clipping and overflows need no
-communication of their own.
+communication of their own. ``--ddp-comm-hook`` puts one of torch's communication
+hooks on DDP (:mod:`hetfair.parallel.comm_hooks`): the gradients it leaves are still
+the same on every rank.
 """
 
 from __future__ import annotations
@@ -19,16 +21,25 @@ from torch.nn.parallel import DistributedDataParallel
 from hetfair.parallel import zero
 from hetfair.errors import ConfigError
 from hetfair.parallel import register_strategy
+from hetfair.parallel.comm_hooks import GradientComm
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
     from hetfair.optim import HetfairOptimizer
+    from hetfair.parallel.context import DistributedContext
 
 
 @register_strategy("c10d")
 class ReplicatedStrategy(Strategy):
-    """DistributedDataParallel over the whole model (nothing to wrap on one process); ZeRO-1 on request."""
+    """DistributedDataParallel over the whole model (nothing to wrap on one process); ZeRO-1 and a
+    communication hook on request."""
+
+    takes_comm_hook = True
+
+    def __init__(self, config: ParallelConfig, context: "DistributedContext") -> None:
+        super().__init__(config, context)
+        self._comm: Optional[GradientComm] = None
 
     @classmethod
     def check_options(cls, config: ParallelConfig) -> None:
@@ -53,13 +64,15 @@ class ReplicatedStrategy(Strategy):
         if not self.context.is_distributed:
             return model
         device = self.context.device
-        return DistributedDataParallel(
+        ddp = DistributedDataParallel(
             model,
             device_ids=[device.index] if device.type == "cuda" else None,
             find_unused_parameters=self.config.find_unused_parameters,
             bucket_cap_mb=self.config.bucket_cap_mb,
             gradient_as_bucket_view=True,  # gradients live in DDP's buckets: no copy in or out
         )
+        self._comm = GradientComm(ddp, self.config, self.context)
+        return ddp
 
     def build_optimizer(self, recipe: type["HetfairOptimizer"], args: argparse.Namespace,
                         params: list[nn.Parameter]) -> torch.optim.Optimizer:
@@ -76,6 +89,13 @@ class ReplicatedStrategy(Strategy):
         if is_last or not self.context.is_distributed:
             return nullcontext()
         return wrapped.no_sync()  # type: ignore[operator]
+
+    def discard_update(self) -> None:
+        if self._comm is not None:
+            self._comm.discard_update()
+
+    def gradient_comm(self) -> Optional[GradientComm]:
+        return self._comm
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                              params: Sequence[nn.Parameter]) -> Optional[dict[str, Any]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, ContextManager, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Optional, Sequence
 
 import torch
 from torch import nn
@@ -21,10 +21,14 @@ from hetfair.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
     from hetfair.optim import HetfairOptimizer
+    from hetfair.parallel.comm_hooks import GradientComm
 
 
 class Strategy:
     """One parallelism mode of one process: built from the run's :class:`ParallelConfig` and its rank."""
+
+    takes_comm_hook: ClassVar[bool] = False
+    """Whether the mode honours ``--ddp-comm-hook`` (others refuse it at option parsing)."""
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         self.check_world(config, context.world_size)
@@ -69,6 +73,13 @@ class Strategy:
     def gradient_sync(self, wrapped: nn.Module, is_last: bool) -> ContextManager[Any]:
         """The context of one micro-batch's forward and backward: gradients are reduced in the last one only."""
         return nullcontext()
+
+    def discard_update(self) -> None:
+        """This update's reduced gradients are dropped (an fp16 overflow, on every rank alike)."""
+
+    def gradient_comm(self) -> Optional["GradientComm"]:
+        """The gradient communication to measure and advise on (``comm |``), where the mode has one."""
+        return None
 
     def local_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """This rank's part of each of ``tensors``, for in-place arithmetic."""

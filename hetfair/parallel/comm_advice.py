@@ -1,0 +1,138 @@
+"""Pick by measurement: is a replicated run bandwidth-bound, and which ``--ddp-comm-hook`` would help?
+
+At start-up one all-reduce of the gradients' size is timed (the slowest rank's time,
+shared); the trainer measures each rank's compute seconds per update anyway. With
+those, :func:`advise` applies the rule below, the same on every rank (every number
+it reads is the same on every rank), and the run logs it in one ``comm |`` line.
+
+The rule: the exact fp32 all-reduce of ``B`` bytes takes ``t`` (measured); a mode
+that sends ``b`` bytes is predicted to take ``t * b / B`` (bandwidth-bound links:
+latency ignored). The run is *bandwidth-bound* when ``t`` is at least
+:data:`BOUND_RATIO` of the compute time of an update (the slowest rank's): DDP
+overlaps the all-reduce with the backward pass, about that share of the compute,
+so a longer one shows in the update time. Not bandwidth-bound: ``none``. Bound:
+the mode predicted fastest, of bf16, fp16 and powersgd (bf16 before fp16 at equal
+bytes: it keeps fp32's range). ``auto`` switches that mode on and says so in the
+line; otherwise the line only suggests it. A lossy mode is always named lossy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+BOUND_RATIO = 0.5
+"""Bandwidth-bound: the exact all-reduce takes at least this share of an update's compute time."""
+
+ADVISE_AFTER = 2
+"""The compute time is that of the update attempt with this number (the first one's holds warm-up work)."""
+
+LOSSY = ("bf16", "fp16", "powersgd")
+"""The lossy modes, in order of preference at equal predicted time."""
+
+
+@dataclass(frozen=True)
+class LinkMeasurement:
+    """What one start-up all-reduce told about the link."""
+
+    gradient_bytes: int
+    """Bytes the exact all-reduce sends per update (all gradients, fp32)."""
+    all_reduce_seconds: float
+    """Seconds of one all-reduce of ``gradient_bytes``: the slowest rank's."""
+    powersgd_bytes: int
+    """Bytes PowerSGD sends per update at this run's ``--powersgd-rank``."""
+
+    @property
+    def bandwidth(self) -> float:
+        """Bytes per second: gradient bytes over the all-reduce's time."""
+        return self.gradient_bytes / max(self.all_reduce_seconds, 1e-9)
+
+    def predicted_seconds(self, mode: str) -> float:
+        """Seconds of one update's gradient communication in ``mode`` (bandwidth scaling, see the module)."""
+        sent = {"none": self.gradient_bytes, "fp16": self.gradient_bytes / 2, "bf16": self.gradient_bytes / 2,
+                "powersgd": self.powersgd_bytes}[mode]
+        return self.all_reduce_seconds * sent / max(self.gradient_bytes, 1)
+
+
+@dataclass(frozen=True)
+class CommAdvice:
+    """The verdict on one run: bound or not, the mode that would help, the mode used from now on."""
+
+    link: LinkMeasurement
+    compute_seconds: float
+    requested: str
+    """``--ddp-comm-hook`` as given."""
+    bound: bool
+    suggested: str
+    """``none`` when not bandwidth-bound, else the lossy mode predicted fastest."""
+    chosen: str
+    """The mode that runs: ``suggested`` under ``auto``, else ``requested``."""
+    kept: bool = False
+    """``auto`` keeps the choice it made before a restart (``chosen``)."""
+
+    def line(self) -> str:
+        """The one ``comm |`` line."""
+        link = self.link
+        facts = (f"comm | {_megabytes(link.gradient_bytes)} of gradients per update | link "
+                 f"{_megabytes(link.bandwidth)}/s | all-reduce {_ms(link.all_reduce_seconds)} vs compute "
+                 f"{_ms(self.compute_seconds)} per update | ")
+        return facts + self._verdict()
+
+    def _verdict(self) -> str:
+        bound = "bandwidth-bound" if self.bound else "not bandwidth-bound"
+        if self.kept:
+            return f"{bound}: auto keeps {_named(self.chosen)}, its choice before the restart"
+        if not self.bound:
+            fits = "not bandwidth-bound: the exact all-reduce (none) fits"
+            if self.requested == "auto":
+                return fits + "; auto keeps it"
+            return fits if self.chosen == "none" else f"{fits}; this run uses {_named(self.chosen)}"
+        fastest = f"{_named(self.suggested)}, all-reduce ~{_ms(self.link.predicted_seconds(self.suggested))}"
+        if self.requested == "auto":
+            return f"bandwidth-bound: auto switches on {fastest}"
+        if self.chosen == self.suggested:
+            return f"bandwidth-bound: this run uses the mode predicted fastest, {fastest}"
+        return f"bandwidth-bound: --ddp-comm-hook {fastest} would help; this run uses {_named(self.chosen)}"
+
+
+def advise(link: LinkMeasurement, compute_seconds: float, requested: str, kept: Optional[str] = None) -> CommAdvice:
+    """Apply the module's rule to the measurements; ``requested`` is ``--ddp-comm-hook``, ``kept`` the mode
+    ``auto`` chose before a restart (restored from the checkpoint; it stays)."""
+    bound = link.all_reduce_seconds >= BOUND_RATIO * compute_seconds
+    suggested = min(LOSSY, key=lambda mode: (link.predicted_seconds(mode), LOSSY.index(mode))) if bound else "none"
+    chosen = kept or (suggested if requested == "auto" else requested)
+    return CommAdvice(link, compute_seconds, requested, bound, suggested, chosen, kept is not None)
+
+
+class CommAdvisor:
+    """Waits for the compute time of update attempt :data:`ADVISE_AFTER`, then gives the advice once."""
+
+    def __init__(self, link: LinkMeasurement, requested: str, kept: Optional[str] = None) -> None:
+        self.link = link
+        self.requested = requested
+        self.kept = kept
+        self._timed = 0
+        self.advice: Optional[CommAdvice] = None
+
+    def observe(self, compute_seconds: list[float]) -> Optional[CommAdvice]:
+        """Every update's per-rank compute seconds (as the trainer reports them, one update late, the same
+        on every rank); the advice when it is due, else ``None``."""
+        if self.advice is not None or not compute_seconds:
+            return None
+        self._timed += 1
+        if self._timed < ADVISE_AFTER:
+            return None
+        self.advice = advise(self.link, max(compute_seconds), self.requested, self.kept)
+        return self.advice
+
+
+def _named(mode: str) -> str:
+    return f"{mode} (lossy)" if mode in LOSSY else mode
+
+
+def _megabytes(count: float) -> str:
+    return f"{count / 1e6:.3g} MB"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
