@@ -251,12 +251,20 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--ddp-backend", metavar="NAME", default="c10d",
                        help="parallelism strategy: c10d replicates the model (DistributedDataParallel); "
                             "fully_sharded shards parameters, gradients and optimizer state over the ranks "
-                            "(FSDP2), for models larger than the smallest device; localsgd and diloco train "
-                            "each node apart and synchronise every --outer-interval updates (slow links); one of: "
+                            "(FSDP2), for models larger than the smallest device; hybrid_sharded shards inside "
+                            "each node and replicates across nodes (for slow links between them); localsgd and "
+                            "diloco train each node apart and synchronise every --outer-interval updates (slow "
+                            "links); one of: "
                             f"{_known(STRATEGY_REGISTRY.names())}")
     group.add_argument("--no-reshard-after-forward", action="store_true",
-                       help="with fully_sharded: keep each unit's parameters gathered from its forward to "
-                            "its backward (less communication, more memory; ZeRO-2-like)")
+                       help="with fully_sharded or hybrid_sharded: keep each unit's parameters gathered from "
+                            "its forward to its backward (less communication, more memory; ZeRO-2-like)")
+    group.add_argument("--reduce-dtype", choices=("fp32", "bf16"), default="fp32",
+                       help="with fully_sharded or hybrid_sharded: the dtype gradients are reduced in; bf16 "
+                            "halves the bytes sent (parameters and the update stay fp32; not exact)")
+    _option(group, "--shard-group-size", bounds=Bounds(1), type=int, metavar="N",
+            help="with hybrid_sharded: shard over groups of N consecutive ranks and replicate across the groups "
+                 "(default: the processes of each node)")
     _option(group, "--outer-interval", bounds=Bounds(1), type=int, metavar="H",
             help="with --ddp-backend localsgd or diloco: inner updates per outer round, between two "
                  "synchronisations across nodes (default: 8)")

@@ -7,7 +7,8 @@ and traffic stays between the namespaces made here. A link may be shaped with ``
 ``/etc/netns/NAME/FILE`` over ``/etc/FILE``: ``hosts``, ``resolv.conf``). Names are unique
 per run; :meth:`Network.remove`
 deletes everything, also after a failure. Needs root and iproute2; otherwise
-:func:`unavailable` says why in one line.
+:func:`unavailable` says why in one line. Plain Python (no pytest): the tests' ``make_network``
+fixture and ``benchmarks/bench_links.py`` (with ``tests/`` on ``sys.path``) both use it.
 """
 
 from __future__ import annotations

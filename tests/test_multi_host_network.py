@@ -37,13 +37,14 @@ def node_env() -> dict[str, str]:
     return {**env, SECRET_ENV: "the job's secret"}
 
 
-def start_nodes(network, tmp_path, *extra: str) -> list[subprocess.Popen]:
-    """One hetfair-train command per host (a toy job of two ranks meeting at host 0), each with its batch size."""
+def start_nodes(network, tmp_path, *extra: str, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """One hetfair-train command per host (a toy job of two ranks meeting at host 0), each with its batch size,
+    in ``env`` (default: :func:`node_env`)."""
     init = f"tcp://{network.hosts[0].address}:29500"
     procs = []
     for rank, (host, batch) in enumerate(zip(network.hosts, ("12", "20"))):
         args = toy_train_args(tmp_path / "ckpt", 1) + ["--max-sentences", batch, *rank_flags(rank, 2, init), *extra]
-        procs.append(subprocess.Popen(host.command(*train_command(*args)), cwd=tmp_path, env=node_env(),
+        procs.append(subprocess.Popen(host.command(*train_command(*args)), cwd=tmp_path, env=env or node_env(),
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 

@@ -98,7 +98,7 @@ class _CheckIn:
                 self.saw_unsigned = True
             if time.monotonic() > self.deadline:
                 raise DistributedError(
-                    f"rank {self.rank}: rank 0 did not check in within {self.timeout:.0f}s; start rank 0's command "
+                    f"rank 0 did not check in within {self.timeout:.0f}s; start rank 0's command "
                     f"or check --distributed-init-method{self._secret_hint()}"
                 )
             time.sleep(_POLL_SECONDS)

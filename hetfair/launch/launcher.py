@@ -41,7 +41,7 @@ from hetfair.parallel.context import DistributedContext
 from hetfair.launch.check_in import check_in
 from hetfair.launch.per_process import check_counts, for_node, for_process
 from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded
-from hetfair.launch.network import choose_interface, use_interface
+from hetfair.launch.network import GLOO_INTERFACE_ENV, choose_interface, use_interface
 from hetfair.launch.rendezvous import (
     check_store_directory,
     create_store,
@@ -294,8 +294,12 @@ def _init_process_group(backend: str, rank: int, plan: LaunchPlan, timeout: floa
 
 
 def _interface_hint(plan: LaunchPlan) -> str:
+    used = plan.interface or "the default"
+    kept = os.environ.get(GLOO_INTERFACE_ENV)
+    if kept and kept != plan.interface:  # the user's own setting, kept without --distributed-interface
+        used = f"{kept}, from {GLOO_INTERFACE_ENV}"
     return (f"give every node's command --distributed-interface with the network interface that reaches the "
-            f"others (this node used {plan.interface or 'the default'})")
+            f"others (this node used {used})")
 
 
 def _device_for(args: argparse.Namespace, plan: LaunchPlan, index: int) -> torch.device:

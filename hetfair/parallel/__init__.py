@@ -10,7 +10,8 @@ STRATEGY_REGISTRY: Registry[type[Strategy]] = Registry(
     "strategy",
     Strategy,
     entry_point_group="hetfair.strategies",
-    builtin_modules=["hetfair.parallel.replicated", "hetfair.parallel.fully_sharded", "hetfair.parallel.outer_loop"],
+    builtin_modules=["hetfair.parallel.replicated", "hetfair.parallel.fully_sharded",
+                     "hetfair.parallel.hybrid_sharded", "hetfair.parallel.outer_loop"],
     plural="strategies",
 )
 register_strategy = STRATEGY_REGISTRY.register

@@ -34,6 +34,10 @@ class ParallelConfig:
     """DiLoCo: the outer SGD's learning rate (``None``: not given, 0.7 as in the DiLoCo paper)."""
     outer_momentum: Optional[float] = None
     """DiLoCo: the outer SGD's Nesterov momentum (``None``: not given, 0.9 as in the DiLoCo paper)."""
+    reduce_dtype: str = "fp32"
+    """Fully or hybrid sharded: the dtype gradients are reduce-scattered (and all-reduced) in, ``fp32`` or ``bf16``."""
+    shard_group_size: Optional[int] = None
+    """Hybrid sharded: shard over this many consecutive ranks (default: the ranks of each node)."""
     ddp_comm_hook: str = "none"
     """Replicated: one of :data:`COMM_HOOKS` (``none``: DDP's own exact all-reduce)."""
     powersgd_rank: int = 1
@@ -45,7 +49,9 @@ class ParallelConfig:
     def from_args(cls, args: argparse.Namespace) -> "ParallelConfig":
         return cls(args.ddp_backend, args.zero_sharding, args.zero_shard_weights, not args.no_reshard_after_forward,
                    args.find_unused_parameters, args.bucket_cap_mb, args.outer_interval, args.outer_lr,
-                   args.outer_momentum, args.ddp_comm_hook, args.powersgd_rank, args.powersgd_start_update)
+                   args.outer_momentum, reduce_dtype=args.reduce_dtype, shard_group_size=args.shard_group_size,
+                   ddp_comm_hook=args.ddp_comm_hook, powersgd_rank=args.powersgd_rank,
+                   powersgd_start_update=args.powersgd_start_update)
 
     def refuse_outer_flags(self) -> None:
         """For a mode without an outer loop: refuse the outer-loop flags (a :class:`ConfigError`)."""
@@ -61,5 +67,6 @@ class ParallelConfig:
         return {"--ddp-backend": self.ddp_backend, "--zero-sharding": self.zero_sharding,
                 "--zero-shard-weights": self.zero_shard_weights, "--outer-interval": self.outer_interval,
                 "--outer-lr": self.outer_lr, "--outer-momentum": self.outer_momentum,
+                "--reduce-dtype": self.reduce_dtype, "--shard-group-size": self.shard_group_size,
                 "--ddp-comm-hook": self.ddp_comm_hook, "--powersgd-rank": self.powersgd_rank,
                 "--powersgd-start-update": self.powersgd_start_update}

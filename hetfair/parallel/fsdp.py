@@ -6,6 +6,12 @@ reduce-scatters its gradients. Units are the modules a model names in
 :meth:`~hetfair.models.HetfairModel.sharding_units` (BERT: each encoder layer), then the
 root takes whatever is left (embeddings and heads, tied weights together).
 
+Hybrid sharding (``--ddp-backend hybrid_sharded``) runs the same on a 2-D device mesh: a unit
+is sharded over the ranks of one node and replicated over the nodes, so its gradient is
+reduce-scattered inside each node and only the shard is all-reduced across them. A
+``reduce_dtype`` (``--reduce-dtype bf16``) casts the gradients for both collectives, as
+FSDP2's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` does; parameters stay fp32.
+
 Checkpoints stay portable: the model's and the optimizer's *full* state dicts are gathered to
 rank 0 in the plain ``torch.optim`` format (parameters by index), the same format an unsharded
 or ZeRO-1 run writes, so any run can resume from any other, on any world size.
@@ -13,7 +19,7 @@ or ZeRO-1 run writes, so any run can resume from any other, on any world size.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -24,18 +30,27 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
     set_optimizer_state_dict,
 )
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0 only
 _LOAD = StateDictOptions(full_state_dict=True)  # every rank holds the full state and keeps its shard
 
 
-def shard_model(model: nn.Module, units: Sequence[nn.Module], reshard_after_forward: bool) -> None:
-    """Shard ``units`` one by one, then ``model`` itself (in place)."""
-    for unit in units:
-        fully_shard(unit, reshard_after_forward=reshard_after_forward)
-    fully_shard(model, reshard_after_forward=reshard_after_forward)
+def shard_model(model: nn.Module, units: Sequence[nn.Module], reshard_after_forward: bool,
+                reduce_dtype: Optional[torch.dtype] = None, mesh: Optional[DeviceMesh] = None) -> None:
+    """Shard ``units`` one by one, then ``model`` itself (in place), over ``mesh`` (default: all ranks);
+    gradients are reduced in ``reduce_dtype`` (default: their own)."""
+    policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
+    for module in [*units, model]:
+        fully_shard(module, reshard_after_forward=reshard_after_forward, mesh=mesh, mp_policy=policy)
+
+
+def hybrid_mesh(device_type: str, layout: list[list[int]]) -> DeviceMesh:
+    """The 2-D mesh of hybrid sharding: one row per node (``layout``: each node's ranks), replicated over the
+    rows and sharded along each. A row's ranks need not be consecutive (``init_device_mesh`` assumes they are)."""
+    return DeviceMesh(device_type, torch.tensor(layout), mesh_dim_names=("replicate", "shard"))
 
 
 def set_gradient_sync(model: nn.Module, enabled: bool) -> None:
@@ -89,6 +104,10 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                                    params: Sequence[nn.Parameter], state: dict[str, Any]) -> None:
     """Load a plain-format optimizer state (present on every rank); each rank keeps its shards."""
+    if not state["state"]:
+        # nothing to shard (plain SGD keeps no tensors), and torch's loader needs a tensor to find the device
+        optimizer.load_state_dict(state)
+        return
     names = _names(model, params)
     fqn_state = {
         "state": {names[int(i)]: value for i, value in state["state"].items()},

@@ -4,13 +4,15 @@ Each rank holds a shard of every gradient, so it normalises its shards in place,
 the ranks agree on an overflow in one small all-reduce, and the global norm is a
 collective. The model and optimizer state are gathered to the master in the plain
 format of any other run (:mod:`hetfair.parallel.fsdp`), so checkpoints move freely.
+``--reduce-dtype bf16`` reduce-scatters the gradients in bf16 (gloo reduces bf16 on the
+CPU, NCCL on GPUs).
 """
 
 from __future__ import annotations
 
 from contextlib import nullcontext
 from types import ModuleType
-from typing import Any, ContextManager, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -20,6 +22,12 @@ from hetfair.errors import ConfigError
 from hetfair.parallel import register_strategy
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.strategy import Strategy
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+REDUCE_DTYPES: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16}
+"""``--reduce-dtype``: the dtype FSDP2 reduces gradients in (``None``: their own, fp32)."""
 
 
 def _fsdp() -> ModuleType:
@@ -35,19 +43,29 @@ class FullyShardedStrategy(Strategy):
     @classmethod
     def check_options(cls, config: ParallelConfig) -> None:
         if config.zero_sharding != "none" or config.zero_shard_weights is not None:
-            raise ConfigError("--ddp-backend fully_sharded already shards the optimizer state; drop --zero-sharding")
+            raise ConfigError(f"--ddp-backend {config.ddp_backend} already shards the optimizer state; "
+                              f"drop --zero-sharding")
+        if config.shard_group_size is not None:
+            raise ConfigError("--shard-group-size needs --ddp-backend hybrid_sharded (fully_sharded shards over "
+                              "all ranks)")
         config.refuse_outer_flags()
         if config.ddp_comm_hook != "none":
-            raise ConfigError(f"--ddp-comm-hook {config.ddp_comm_hook} is for --ddp-backend c10d; fully_sharded "
-                              f"reduce-scatters its gradients: use --reduce-dtype bf16 to halve them")
+            raise ConfigError(f"--ddp-comm-hook {config.ddp_comm_hook} is for --ddp-backend c10d; "
+                              f"{config.ddp_backend} reduce-scatters its gradients: use --reduce-dtype bf16 to halve them")
 
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:
         if world_size < 2:
-            raise ConfigError("--ddp-backend fully_sharded needs more than one process (--distributed-world-size N)")
+            raise ConfigError(f"--ddp-backend {config.ddp_backend} needs more than one process "
+                              f"(--distributed-world-size N)")
 
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
-        _fsdp().shard_model(model, units, self.config.reshard_after_forward)
+        _fsdp().shard_model(model, units, self.config.reshard_after_forward, REDUCE_DTYPES[self.config.reduce_dtype],
+                            self.device_mesh())
+
+    def device_mesh(self) -> Optional["DeviceMesh"]:
+        """The mesh the model is sharded over (``None``: all ranks, one dimension)."""
+        return None
 
     @property
     def joins_every_micro_batch(self) -> bool:
