@@ -122,18 +122,6 @@ def test_bf16_reduction_tracks_fp32_and_resumes_exactly(tmp_path):
     assert_same(resumed, straight)
 
 
-def test_hybrid_fp16_skips_the_same_overflowing_updates_as_replicated_ranks(tmp_path):
-    """Each rank sees only its node's shards; the ranks of both nodes must still agree on every overflow. (An
-    overflow depends on each rank's micro-batch, so the replicated ranks take the same ones.)"""
-    fp16 = ("--fp16", "--fp16-init-scale", str(2**18), "--fp16-scale-window", "3", "--max-update", "12",
-            "--max-epoch", "0")
-    hybrid = run_cluster(tmp_path, tmp_path / "hybrid", [2, 6, 8, 16], fp16)
-    assert_same(hybrid, run_cluster(tmp_path, tmp_path / "ddp", [2, 6, 8, 16], fp16, per_node=()))
-    scales = [torch.load(tmp_path / run / "checkpoint_last.pt", weights_only=True)["loss_scale"]
-              for run in ("hybrid", "ddp")]
-    assert scales[0] == scales[1] and scales[0]["scale"] < 2**18  # the same overflows were skipped
-
-
 def test_ranks_given_different_reduce_dtypes_or_shard_groups_disagree():
     ranks = [RankFacts("fp32", 8, 8, {PARALLELISM: ParallelConfig("hybrid_sharded", **flags).shared_settings()})
              for flags in ({"reduce_dtype": "bf16", "shard_group_size": 2}, {})]
