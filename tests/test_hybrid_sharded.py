@@ -18,7 +18,9 @@ from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, rank
 from hetfair.errors import ConfigError
 from hetfair.launch.network import GLOO_INTERFACE_ENV
 from hetfair.launch.rendezvous import SECRET_ENV
+from hetfair.parallel import ParallelConfig
 from hetfair.parallel.nodes import node_layout
+from hetfair.startup import PARALLELISM, RankFacts, check_agreement
 from hetfair_cli.train import main as train_main
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
@@ -120,24 +122,12 @@ def test_bf16_reduction_tracks_fp32_and_resumes_exactly(tmp_path):
     assert_same(resumed, straight)
 
 
-def test_hybrid_fp16_skips_the_same_overflowing_updates_as_replicated_ranks(tmp_path):
-    """Each rank sees only its node's shards; the ranks of both nodes must still agree on every overflow."""
-    fp16 = ("--fp16", "--fp16-init-scale", str(2**18), "--fp16-scale-window", "3", "--max-update", "12",
-            "--max-epoch", "0")
-    hybrid = run_cluster(tmp_path, tmp_path / "hybrid", [2, 6, 8, 16], fp16)
-    assert_same(hybrid, run_cluster(tmp_path, tmp_path / "ddp", [2, 6, 8, 16], fp16, per_node=()))
-    scales = [torch.load(tmp_path / run / "checkpoint_last.pt", weights_only=True)["loss_scale"]
-              for run in ("hybrid", "ddp")]
-    assert scales[0] == scales[1] and scales[0]["scale"] < 2**18  # the same overflows were skipped
-
-
-def test_ranks_with_different_reduce_dtypes_fail_together(tmp_path):
-    init = f"tcp://127.0.0.1:{free_port()}"
-    commands = [toy_train_args(tmp_path / "ckpt", 1, ("--ddp-backend", "fully_sharded", "--reduce-dtype", dtype))
-                + rank_flags(rank, 2, init) for rank, dtype in enumerate(["bf16", "fp32"])]
-    for result in run_nodes(commands, cwd=tmp_path, timeout=120):
-        assert result.returncode == 2 and "--reduce-dtype bf16 on rank 0, fp32 on rank 1" in result.stderr, \
-            result.stderr
+def test_ranks_given_different_reduce_dtypes_or_shard_groups_disagree():
+    ranks = [RankFacts("fp32", 8, 8, {PARALLELISM: ParallelConfig("hybrid_sharded", **flags).shared_settings()})
+             for flags in ({"reduce_dtype": "bf16", "shard_group_size": 2}, {})]
+    with pytest.raises(ConfigError, match="--reduce-dtype bf16 on rank 0, fp32 on rank 1, --shard-group-size 2 on "
+                                          "rank 0, None on rank 1"):
+        check_agreement(ranks)
 
 
 @pytest.mark.parametrize("flags, message", [
