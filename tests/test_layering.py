@@ -29,7 +29,7 @@ LAYERS: list[tuple[str, ...]] = [
      "hetfair.run_state", "hetfair.startup", "hetfair.run_config"),  # their parts
     ("hetfair.balance", "hetfair.logging", "hetfair.data"),  # engine services
     ("hetfair.options", "hetfair.inventory"),  # the command line's options, --list-plugins
-    ("hetfair.bert",),  # hetfair's own plugin family (see PLUGIN_FAMILIES)
+    ("hetfair.bert", "hetfair.lm"),  # hetfair's own plugin families (see PLUGIN_FAMILIES)
     ("hetfair.tasks",),  # the Task base class
     ("hetfair.models", "hetfair.criteria", "hetfair.optim"),  # component base classes and registries
     ("hetfair.precision", "hetfair.compile"),  # autocast per process, the job's one loss scale; --compile
@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
 ]
 
 # Packages the engine must not import (it finds them through entry points).
-PLUGIN_FAMILIES = ("hetfair.bert",)
+PLUGIN_FAMILIES = ("hetfair.bert", "hetfair.lm")
 MAY_IMPORT_PLUGIN_FAMILIES = ("hetfair_cli",)
 
 
