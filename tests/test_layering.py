@@ -6,7 +6,7 @@ inside functions, and so do constant ``importlib.import_module("...")`` calls an
 a registry's ``builtin_modules=[...]``; only ``if TYPE_CHECKING:`` blocks are
 exempt (annotations do not run). ``hetfair.bert`` is a plugin family, registered
 through entry points: besides the layering, no module outside it may import it
-except the console scripts (``hetfair_cli``).
+except the console scripts (``hetfair_cli``); so is ``hetfair.lm``.
 """
 
 from __future__ import annotations
@@ -29,18 +29,19 @@ LAYERS: list[tuple[str, ...]] = [
      "hetfair.run_state", "hetfair.startup", "hetfair.run_config"),  # their parts
     ("hetfair.balance", "hetfair.logging", "hetfair.data"),  # engine services
     ("hetfair.options", "hetfair.inventory"),  # the command line's options, --list-plugins
-    ("hetfair.bert",),  # hetfair's own plugin family (see PLUGIN_FAMILIES)
+    ("hetfair.bert", "hetfair.lm"),  # hetfair's own plugin families (see PLUGIN_FAMILIES)
     ("hetfair.tasks",),  # the Task base class
     ("hetfair.models", "hetfair.criteria", "hetfair.optim"),  # component base classes and registries
     ("hetfair.precision", "hetfair.compile"),  # autocast per process, the job's one loss scale; --compile
     ("hetfair.launch",),  # starting a job: rendezvous, launcher, supervisor, preemption
     ("hetfair.parallel",),  # in training: process context, collectives, stats, strategies, ZeRO, FSDP
     ("hetfair.registry", "hetfair.plugins"),  # the generic registry, plugin discovery
-    ("hetfair.errors", "hetfair.utils", "hetfair.rng"),  # leaves
+    ("hetfair.errors", "hetfair.utils", "hetfair.rng",
+     "hetfair.data.indexed_dataset"),  # leaves (the binary token format both families read)
 ]
 
 # Packages the engine must not import (it finds them through entry points).
-PLUGIN_FAMILIES = ("hetfair.bert",)
+PLUGIN_FAMILIES = ("hetfair.bert", "hetfair.lm")
 MAY_IMPORT_PLUGIN_FAMILIES = ("hetfair_cli",)
 
 
