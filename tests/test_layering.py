@@ -37,7 +37,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair.launch",),  # starting a job: rendezvous, launcher, supervisor, preemption
     ("hetfair.parallel",),  # in training: process context, collectives, stats, strategies, ZeRO, FSDP
     ("hetfair.registry", "hetfair.plugins"),  # the generic registry, plugin discovery
-    ("hetfair.errors", "hetfair.utils", "hetfair.rng"),  # leaves
+    ("hetfair.errors", "hetfair.utils", "hetfair.rng",
+     "hetfair.data.indexed_dataset"),  # leaves (the binary token format both families read)
 ]
 
 # Packages the engine must not import (it finds them through entry points).
