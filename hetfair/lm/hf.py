@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
@@ -183,6 +184,18 @@ def _transformers() -> Any:
     return transformers
 
 
+@contextmanager
+def _no_progress_bars(transformers: Any) -> Iterator[None]:
+    """Keep transformers' per-file progress bars out of hetfair's output (restored after)."""
+    enabled = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers.utils.logging.enable_progress_bar()
+
+
 @dataclass
 class HfLM:
     """What a local transformers causal-LM directory holds, in hetfair's terms."""
@@ -207,8 +220,9 @@ def read_hf_directory(directory: str, dropout: float, attention_dropout: float) 
     config = from_hf_config(values, config_path, dropout, attention_dropout)
     transformers = _transformers()
     try:
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, local_files_only=True, dtype=torch.float32, output_loading_info=True)
+        with _no_progress_bars(transformers):
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                directory, local_files_only=True, dtype=torch.float32, output_loading_info=True)
     except (OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"--init-from-hf {directory}: transformers cannot load it: {first_line(exc)}") from exc
     missing = [name for name in info["missing_keys"] if name != _TIED]
@@ -247,7 +261,8 @@ def write_hf_directory(model: "TransformerLM", outdir: str, task: "Task") -> str
                           f"{result.missing_keys}, unexpected {result.unexpected_keys}")
     hf_model.tie_weights()
     os.makedirs(outdir, exist_ok=True)
-    hf_model.save_pretrained(outdir)
+    with _no_progress_bars(transformers):
+        hf_model.save_pretrained(outdir)
     special = {"eos_token": tokenizer.id_to_token(eos), "bos_token": tokenizer.id_to_token(eos)}
     if pad is not None:
         special["pad_token"] = tokenizer.id_to_token(pad)
