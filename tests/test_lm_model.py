@@ -7,12 +7,14 @@ against one process of the same hetfair-train command (the plain update).
 from __future__ import annotations
 
 import argparse
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from helpers import final_parameters, free_port, rank_flags, run_nodes
+from helpers import final_parameters, free_port, rank_flags, run_nodes, subprocess_env
 from hetfair.lm.config import LMConfig
 from hetfair.lm.model import TransformerLM
 from hetfair.models import resolve_arch
@@ -122,3 +124,12 @@ def test_sizes_that_cannot_work_are_one_line(tmp_path, data, capsys, flags, mess
     code = train_main(lm_train_args(data, tmp_path, *flags))
     err = capsys.readouterr().err.strip().splitlines()
     assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_the_model_and_generation_do_not_import_transformers():
+    """transformers is optional: only export and --init-from-hf import it (fresh interpreter, as a user runs it)."""
+    probe = ("import sys, hetfair_cli.generate, hetfair.lm.model; from hetfair.models import resolve_arch; "
+             "resolve_arch('gpt_mini'); print('transformers' in sys.modules)")
+    result = subprocess.run([sys.executable, "-c", probe], env=subprocess_env(), capture_output=True, text=True,
+                            timeout=120)
+    assert result.returncode == 0 and result.stdout.strip() == "False", result.stderr

@@ -22,6 +22,7 @@ from hetfair.options import build_parser as train_parser
 from hetfair.registry import Registry
 from hetfair.tasks import TASK_REGISTRY
 from hetfair_cli.export import build_parser as export_parser
+from hetfair_cli.generate import build_parser as generate_parser
 from hetfair_cli.validate import build_parser as validate_parser
 
 PAGE = "options.md"
@@ -31,6 +32,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "hetfair-validate": validate_parser,
     "hetfair-preprocess": preprocess_parser,
     "hetfair-export": export_parser,
+    "hetfair-generate": generate_parser,
 }
 COMPONENT_REGISTRIES: tuple[Registry[Any], ...] = (
     TASK_REGISTRY, MODEL_REGISTRY, CRITERION_REGISTRY, OPTIMIZER_REGISTRY, LR_SCHEDULER_REGISTRY)
