@@ -4,9 +4,9 @@ The layers, top to bottom, are :data:`LAYERS`; modules of one layer may import
 each other. Every ``import`` and ``from ... import`` counts, at module level and
 inside functions, and so do constant ``importlib.import_module("...")`` calls and
 a registry's ``builtin_modules=[...]``; only ``if TYPE_CHECKING:`` blocks are
-exempt (annotations do not run). ``hetfair.bert`` is a plugin family, registered
-through entry points: besides the layering, no module outside it may import it
-except the console scripts (``hetfair_cli``); so is ``hetfair.lm``.
+exempt (annotations do not run). ``hetfair.bert`` and ``hetfair.lm`` are plugin families,
+registered through entry points: besides the layering, no module outside one may import it
+except the console scripts (``hetfair_cli``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ PACKAGES = ("hetfair", "hetfair_cli")
 LAYERS: list[tuple[str, ...]] = [
     ("hetfair_cli",),  # console scripts
     ("hetfair",),  # the public API: hetfair.register_*, hetfair.load_model (imported lazily)
+    ("hetfair.lm.generate",),  # sampling from a checkpoint (hetfair.load_model) of the lm family
     ("hetfair.training", "hetfair.evaluate", "hetfair.pretrained"),  # the training loop, hetfair-validate's program
     ("hetfair.checkpoint", "hetfair.checkpoint_writer", "hetfair.trainer", "hetfair.validation",
      "hetfair.run_state", "hetfair.startup", "hetfair.run_config"),  # their parts

@@ -187,9 +187,10 @@ class TransformerLM(HetfairModel):
     @classmethod
     def from_hugging_face(cls, args: argparse.Namespace, task: "Task") -> "TransformerLM":
         """The model of ``--init-from-hf DIR``: sized by its ``config.json``, initialised with its weights."""
-        from hetfair.lm.hf import read_hf_directory
+        from hetfair.lm.hf import check_same_tokenizer, read_hf_directory
 
         directory = args.init_from_hf
+        check_same_tokenizer(directory, task)
         source = read_hf_directory(directory, dropout=args.dropout, attention_dropout=args.attention_dropout)
         if source.config.vocab_size != task.vocab_size:  # type: ignore[attr-defined]
             raise ConfigError(f"--init-from-hf {directory} has a vocabulary of {source.config.vocab_size} tokens but "
