@@ -5,8 +5,8 @@ from __future__ import annotations
 from pathlib import Path
 
 from bert_helpers import documents
-from hetfair_cli.preprocess import main as preprocess_main
 from hetfair_cli.train import main as train_main
+from lm_helpers import preprocess, write_text
 
 TOKENS_PER_SAMPLE = 16
 TINY = ("--decoder-embed-dim", "32", "--decoder-layers", "2", "--decoder-attention-heads", "4",
@@ -17,13 +17,9 @@ NO_DROPOUT = ("--dropout", "0", "--attention-dropout", "0")
 def make_lm_data(tmp: Path, vocab_size: int = 300) -> Path:
     """``hetfair-preprocess --task language_modeling`` output (a trained byte-level BPE) of 60 made-up documents."""
     docs = ["\n".join(doc) for doc in documents(60, seed=3)]
-    (tmp / "train.txt").write_text("\n\n".join(docs[:50]) + "\n", encoding="utf-8")
-    (tmp / "valid.txt").write_text("\n\n".join(docs[50:]) + "\n", encoding="utf-8")
-    data = tmp / "data"
-    assert preprocess_main(["--task", "language_modeling", "--trainpref", str(tmp / "train.txt"), "--validpref",
-                            str(tmp / "valid.txt"), "--tokenizer", "bpe", "--vocab-size", str(vocab_size),
-                            "--destdir", str(data)]) == 0
-    return data
+    return preprocess(tmp / "data", "--trainpref", str(write_text(tmp / "train.txt", docs[:50])),
+                      "--validpref", str(write_text(tmp / "valid.txt", docs[50:])), "--tokenizer", "bpe",
+                      "--vocab-size", str(vocab_size))
 
 
 def lm_train_args(data: Path, save_dir: Path, *extra: str) -> list[str]:
