@@ -19,12 +19,17 @@ def _add_task_flag(parser: argparse.ArgumentParser) -> None:
 def _family(task: str) -> tuple[argparse.ArgumentParser, Callable[[argparse.Namespace], Any]]:
     """The parser and the preprocess function of ``task``'s family (only the chosen family is imported)."""
     if task == "language_modeling":
-        from hetfair.lm.preprocess import build_parser, preprocess
+        from hetfair.lm.preprocess import build_parser as family_parser, preprocess
     else:
-        from hetfair.bert.preprocess import build_parser, preprocess
-    parser = build_parser()
+        from hetfair.bert.preprocess import build_parser as family_parser, preprocess
+    parser = family_parser()
     _add_task_flag(parser)
     return parser, preprocess
+
+
+def build_parser(task: str = "bert") -> argparse.ArgumentParser:
+    """The parser of ``hetfair-preprocess --task TASK``."""
+    return _family(task)[0]
 
 
 def _main(argv: list[str]) -> int:

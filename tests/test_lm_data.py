@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import shutil
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -61,6 +63,27 @@ def test_json_lines_records_are_documents_of_the_text_field_with_a_given_tokeniz
                       "--trainpref", str(records))
     assert (data / "tokenizer.json").read_text() == given.read_text()
     np.testing.assert_array_equal(IndexedDataset(str(data / "train")).tokens, reference_stream(given, docs))
+
+
+def test_preprocessing_again_adds_a_split_with_the_tokenizer_already_there(corpus, tmp_path):
+    data = tmp_path / "data"
+    shutil.copytree(corpus["data"], data)
+    tokenizer = (data / "tokenizer.json").read_text()
+    preprocess(data, "--testpref", str(corpus["tmp"] / "valid.txt"))
+    assert (data / "tokenizer.json").read_text() == tokenizer
+    np.testing.assert_array_equal(IndexedDataset(str(data / "test")).tokens,
+                                  IndexedDataset(str(corpus["data"] / "valid")).tokens)
+    assert {p.name for p in data.iterdir()} == {p.name for p in corpus["data"].iterdir()} | {"test.bin", "test.idx"}
+
+
+def test_without_hugging_face_datasets_preprocessing_says_what_to_install(corpus, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets raises ImportError
+    code = preprocess_main(["--task", "language_modeling", "--tokenizer", "bpe", "--trainpref",
+                            str(corpus["tmp"] / "valid.txt"), "--destdir", str(tmp_path / "out")])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("hetfair-preprocess: error: reading text for --task language_modeling needs "
+                                 "Hugging Face datasets: pip install 'hetfair[lm]'\n")
+    assert not (tmp_path / "out").exists()
 
 
 def test_a_tokenizer_file_without_end_of_text_and_padding_gets_both(corpus, tmp_path):

@@ -53,7 +53,6 @@ def _stream(path: str, text_field: str) -> Iterator[dict]:
                           "pip install 'hetfair[lm]'") from exc
     if not os.path.isfile(path):
         raise DataError(f"input file {path} does not exist")
-    datasets.disable_progress_bars()
     files = {"train": str(Path(path).resolve())}
     if is_json_lines(path):
         return iter(datasets.load_dataset("json", data_files=files, split="train", streaming=True))
