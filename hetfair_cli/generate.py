@@ -8,7 +8,7 @@ import sys
 from typing import Sequence
 
 from hetfair.lm.generate import generate
-from hetfair.utils import DefaultsHelpFormatter
+from hetfair.utils import DefaultsHelpFormatter, absolute_path
 from hetfair_cli.errors import run_cli
 
 DESCRIPTION = """Continue --prompt by --max-new-tokens tokens with a transformer_lm checkpoint and print
@@ -27,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (default: greedy)")
     parser.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature")
     parser.add_argument("--seed", type=int, default=1, metavar="S", help="seed of the sampling")
+    parser.add_argument("--data", metavar="DIR", type=absolute_path,
+                        help="data directory holding the tokenizer (default: the one used in training)")
     parser.add_argument("--cpu", action="store_true", help="run on CPU even where CUDA is available")
     parser.add_argument("--debug", action="store_true", help="show tracebacks for errors")
     return parser
@@ -36,7 +38,7 @@ def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)  # e.g. the task's data notes
     result = generate(args.path, args.prompt, args.max_new_tokens, top_k=args.top_k, temperature=args.temperature,
-                      seed=args.seed, device="cpu" if args.cpu else None)
+                      seed=args.seed, device="cpu" if args.cpu else None, data=args.data)
     print(result.text)
     return 0
 

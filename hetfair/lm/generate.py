@@ -37,7 +37,8 @@ class Generation:
 
 def generate(source: str | Path | TransformerLM, prompt: str, max_new_tokens: int, *,
              tokenizer: "Tokenizer | None" = None, top_k: int | None = None, temperature: float = 1.0, seed: int = 1,
-             start_token: int | None = None, device: str | torch.device | None = None) -> Generation:
+             start_token: int | None = None, device: str | torch.device | None = None,
+             data: str | Path | None = None) -> Generation:
     """Continue ``prompt`` by ``max_new_tokens`` tokens, greedily or (with ``top_k``) by top-k sampling.
 
     Args:
@@ -51,10 +52,11 @@ def generate(source: str | Path | TransformerLM, prompt: str, max_new_tokens: in
         seed: seeds the sampling generator.
         start_token: a token id put before the prompt (default: the checkpoint task's ``eos_index``).
         device: where a checkpoint's model runs (default: CUDA when available).
+        data: the checkpoint's data directory (its tokenizer), if it moved since training.
     """
     if isinstance(source, (str, Path)):
         device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-        loaded = load_model(source, device=device)
+        loaded = load_model(source, device=device, overrides={"data": str(data) if data else None})
         if not isinstance(loaded.model, TransformerLM):
             raise ConfigError(f"{source} holds a '{loaded.options.model}' model; generation needs a transformer_lm")
         model = loaded.model

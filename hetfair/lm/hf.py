@@ -18,8 +18,9 @@ from __future__ import annotations
 import json
 import os
 import shlex
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Mapping
+from typing import TYPE_CHECKING, Any, Iterator, Mapping
 
 import torch
 
@@ -86,30 +87,38 @@ def from_hf_config(values: Mapping[str, Any], source: str, dropout: float, atten
     if activation not in _ACTIVATION_FROM_HF:
         raise ConfigError(f"{source} uses {activation_key} {activation!r}; hetfair's transformer_lm knows "
                           f"{', '.join(_ACTIVATION_FROM_HF)}")
-    common = {"vocab_size": values["vocab_size"], "activation_fn": _ACTIVATION_FROM_HF[activation],
-              "dropout": dropout, "attention_dropout": attention_dropout,
-              "init_std": values.get("initializer_range", 0.02)}
-    if model_type == "gpt2":
-        _refuse(values, source, {"add_cross_attention": False, "scale_attn_weights": True,
-                                 "scale_attn_by_inverse_layer_idx": False})
-        embed_dim = values.get("n_embd", 768)
-        config = LMConfig(positions="learned", max_positions=values.get("n_positions", 1024), embed_dim=embed_dim,
-                          layers=values.get("n_layer", 12), attention_heads=values.get("n_head", 12),
-                          ffn_embed_dim=values.get("n_inner") or 4 * embed_dim,
-                          layer_norm_eps=values.get("layer_norm_epsilon", 1e-5), **common)
-    else:
-        rope = values.get("rope_parameters") or values.get("rope_scaling") or {}
-        _refuse(values, source, {"use_parallel_residual": False, "attention_bias": True})
-        _refuse({"rope_type": rope.get("rope_type", "default"),
-                 "partial_rotary_factor": rope.get("partial_rotary_factor", values.get("rotary_pct", 0.25))},
-                source, {"rope_type": "default", "partial_rotary_factor": 1.0})
-        config = LMConfig(positions="rotary", max_positions=values.get("max_position_embeddings", 2048),
-                          embed_dim=values["hidden_size"], layers=values["num_hidden_layers"],
-                          attention_heads=values["num_attention_heads"], ffn_embed_dim=values["intermediate_size"],
-                          rotary_base=rope.get("rope_theta", values.get("rotary_emb_base", 10000.0)),
-                          layer_norm_eps=values.get("layer_norm_eps", 1e-5), **common)
+    common = {"activation_fn": _ACTIVATION_FROM_HF[activation], "dropout": dropout,
+              "attention_dropout": attention_dropout, "init_std": values.get("initializer_range", 0.02)}
+    try:
+        config = (_gpt2_config if model_type == "gpt2" else _neox_config)(values, source, common)
+    except KeyError as exc:
+        raise ConfigError(f"{source} has no {exc.args[0]}") from None
     config.validate()
     return config
+
+
+def _gpt2_config(values: Mapping[str, Any], source: str, common: dict[str, Any]) -> LMConfig:
+    _refuse(values, source, {"add_cross_attention": False, "scale_attn_weights": True,
+                             "scale_attn_by_inverse_layer_idx": False})
+    embed_dim = values.get("n_embd", 768)
+    return LMConfig(vocab_size=values["vocab_size"], positions="learned", max_positions=values.get("n_positions", 1024),
+                    embed_dim=embed_dim, layers=values.get("n_layer", 12), attention_heads=values.get("n_head", 12),
+                    ffn_embed_dim=values.get("n_inner") or 4 * embed_dim,
+                    layer_norm_eps=values.get("layer_norm_epsilon", 1e-5), **common)
+
+
+def _neox_config(values: Mapping[str, Any], source: str, common: dict[str, Any]) -> LMConfig:
+    rope = values.get("rope_parameters") or values.get("rope_scaling") or {}
+    _refuse(values, source, {"use_parallel_residual": False, "attention_bias": True})
+    _refuse({"rope_type": rope.get("rope_type", "default"),  # transformers' defaults where the file has none
+             "partial_rotary_factor": rope.get("partial_rotary_factor", values.get("rotary_pct", 0.25))},
+            source, {"rope_type": "default", "partial_rotary_factor": 1.0})
+    return LMConfig(vocab_size=values["vocab_size"], positions="rotary",
+                    max_positions=values.get("max_position_embeddings", 2048), embed_dim=values["hidden_size"],
+                    layers=values["num_hidden_layers"], attention_heads=values["num_attention_heads"],
+                    ffn_embed_dim=values["intermediate_size"],
+                    rotary_base=rope.get("rope_theta", values.get("rotary_emb_base", 10000.0)),
+                    layer_norm_eps=values.get("layer_norm_eps", 1e-5), **common)
 
 
 def _refuse(values: Mapping[str, Any], source: str, supported: Mapping[str, Any]) -> None:
@@ -183,6 +192,18 @@ def _transformers() -> Any:
     return transformers
 
 
+@contextmanager
+def _no_progress_bars(transformers: Any) -> Iterator[None]:
+    """Keep transformers' per-file progress bars out of hetfair's output (restored after)."""
+    enabled = transformers.utils.logging.is_progress_bar_enabled()
+    transformers.utils.logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            transformers.utils.logging.enable_progress_bar()
+
+
 @dataclass
 class HfLM:
     """What a local transformers causal-LM directory holds, in hetfair's terms."""
@@ -207,8 +228,9 @@ def read_hf_directory(directory: str, dropout: float, attention_dropout: float) 
     config = from_hf_config(values, config_path, dropout, attention_dropout)
     transformers = _transformers()
     try:
-        model, info = transformers.AutoModelForCausalLM.from_pretrained(
-            directory, local_files_only=True, dtype=torch.float32, output_loading_info=True)
+        with _no_progress_bars(transformers):
+            model, info = transformers.AutoModelForCausalLM.from_pretrained(
+                directory, local_files_only=True, dtype=torch.float32, output_loading_info=True)
     except (OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(f"--init-from-hf {directory}: transformers cannot load it: {first_line(exc)}") from exc
     missing = [name for name in info["missing_keys"] if name != _TIED]
@@ -247,7 +269,8 @@ def write_hf_directory(model: "TransformerLM", outdir: str, task: "Task") -> str
                           f"{result.missing_keys}, unexpected {result.unexpected_keys}")
     hf_model.tie_weights()
     os.makedirs(outdir, exist_ok=True)
-    hf_model.save_pretrained(outdir)
+    with _no_progress_bars(transformers):
+        hf_model.save_pretrained(outdir)
     special = {"eos_token": tokenizer.id_to_token(eos), "bos_token": tokenizer.id_to_token(eos)}
     if pad is not None:
         special["pad_token"] = tokenizer.id_to_token(pad)
