@@ -189,9 +189,10 @@ class TransformerLM(HetfairModel):
         directory = args.init_from_hf
         check_same_tokenizer(directory, task)
         source = read_hf_directory(directory, dropout=args.dropout, attention_dropout=args.attention_dropout)
-        if source.config.vocab_size != task.vocab_size:  # type: ignore[attr-defined]
+        vocab_size = task.vocab_size  # type: ignore[attr-defined]
+        if source.config.vocab_size != vocab_size:
             raise ConfigError(f"--init-from-hf {directory} has a vocabulary of {source.config.vocab_size} tokens but "
-                              f"--data has {task.vocab_size}; preprocess with its tokenizer.json")  # type: ignore[attr-defined]
+                              f"--data has {vocab_size}; preprocess with its tokenizer.json")
         _check_fits(source.config, task)
         _record(args, source.config)
         model = cls(source.config)
