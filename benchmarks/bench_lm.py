@@ -187,7 +187,8 @@ def measure(args: argparse.Namespace, data: Path, save_dir: Path) -> dict[int, d
                 walls[ranks][name].add(run.wall_per_update)
                 print(f"  rep {rep + 1}/{args.repeats} {ranks} rank(s) {name:17s} "
                       f"{args.blocks * args.tokens_per_sample / run.wall_per_update:8.0f} tokens/s "
-                      f"({run.wall_per_update * 1e3:.0f} ms/update, run {run.total_wall:.0f} s)", flush=True)
+                      f"({run.wall_per_update * 1e3:.0f} ms/update, {run.cpu_per_update * 1e3:.0f} CPU ms/update "
+                      f"of all its processes, run {run.total_wall:.0f} s)", flush=True)
     return walls
 
 
