@@ -38,7 +38,7 @@ SPECIALS = ["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"]
 
 def generate_binary(prefix: str, n_sentences: int, seed: int = 0) -> tuple[int, int]:
     """Write PREFIX.idx (real offsets) and a sparse PREFIX.bin; return (documents, tokens)."""
-    from hetfair.bert import indexed_dataset as ix
+    from hetfair.data import indexed_dataset as ix
 
     rng = np.random.default_rng(seed)
     per_document = rng.integers(1, 61, n_sentences // 30 + 10)
@@ -67,7 +67,7 @@ def rss_mb() -> float:
 def child(args: argparse.Namespace) -> None:
     """One rank's start: open the split and build the dataset; print a JSON line."""
     from hetfair.bert import dataset
-    from hetfair.bert.indexed_dataset import IndexedDataset
+    from hetfair.data.indexed_dataset import IndexedDataset
     from hetfair.bert.masking import MaskingConfig
     from hetfair.bert.tokenizer import Vocabulary
 

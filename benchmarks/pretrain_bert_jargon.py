@@ -26,7 +26,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hetfair.bert.indexed_dataset import IndexedDataset
+from hetfair.data.indexed_dataset import IndexedDataset
 from hetfair.parallel.context import DistributedContext
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY

@@ -20,7 +20,7 @@ transformers = pytest.importorskip("transformers")
 from bert_helpers import write_bert_config  # noqa: E402
 from hetfair.bert.data_dir import destdir_tokenizer_spec  # noqa: E402
 from hetfair.bert.hf_tokenizer import hf_tokenizer_files, hf_vocabulary_tokens  # noqa: E402
-from hetfair.bert.indexed_dataset import IndexedDataset  # noqa: E402
+from hetfair.data.indexed_dataset import IndexedDataset  # noqa: E402
 from hetfair.bert.tokenizer import TokenizerSpec, load_tokenizer, train_tokenizer  # noqa: E402
 from hetfair.errors import ConfigError  # noqa: E402
 from hetfair_cli.export import main as export_main  # noqa: E402

@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hetfair.bert.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from hetfair.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from hetfair.errors import DataError
 
 

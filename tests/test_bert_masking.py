@@ -16,7 +16,7 @@ from hetfair.bert.dataset import (
     build_blocks,
     collate_bert,
 )
-from hetfair.bert.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
+from hetfair.data.indexed_dataset import IndexedDataset, IndexedDatasetBuilder
 from hetfair.bert.masking import MaskingConfig
 from hetfair.bert.tokenizer import SPECIAL_TOKENS, Vocabulary
 

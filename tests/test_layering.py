@@ -4,9 +4,9 @@ The layers, top to bottom, are :data:`LAYERS`; modules of one layer may import
 each other. Every ``import`` and ``from ... import`` counts, at module level and
 inside functions, and so do constant ``importlib.import_module("...")`` calls and
 a registry's ``builtin_modules=[...]``; only ``if TYPE_CHECKING:`` blocks are
-exempt (annotations do not run). ``hetfair.bert`` and ``hetfair.classification`` are
-plugin families, registered through entry points: besides the layering, no module
-outside the plugin families may import them except the console scripts (``hetfair_cli``).
+exempt (annotations do not run). ``hetfair.bert``, ``hetfair.lm``, ``hetfair.hf_encoder`` and
+``hetfair.classification`` are plugin families, registered through entry points: besides the layering,
+no module outside the plugin families may import them except the console scripts (``hetfair_cli``).
 """
 
 from __future__ import annotations
@@ -25,24 +25,26 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair_cli",),  # console scripts
     ("hetfair.classification",),  # a plugin family on the public API and the BERT family (see PLUGIN_FAMILIES)
     ("hetfair",),  # the public API: hetfair.register_*, hetfair.load_model (imported lazily)
+    ("hetfair.lm.generate",),  # sampling from a checkpoint (hetfair.load_model) of the lm family
     ("hetfair.training", "hetfair.evaluate", "hetfair.pretrained"),  # the training loop, hetfair-validate's program
     ("hetfair.checkpoint", "hetfair.checkpoint_writer", "hetfair.trainer", "hetfair.validation",
      "hetfair.run_state", "hetfair.startup", "hetfair.run_config"),  # their parts
     ("hetfair.balance", "hetfair.logging", "hetfair.data"),  # engine services
     ("hetfair.options", "hetfair.inventory"),  # the command line's options, --list-plugins
-    ("hetfair.bert", "hetfair.hf_encoder"),  # hetfair's own plugin families (see PLUGIN_FAMILIES)
+    ("hetfair.bert", "hetfair.lm", "hetfair.hf_encoder"),  # hetfair's own plugin families (see PLUGIN_FAMILIES)
     ("hetfair.tasks",),  # the Task base class
     ("hetfair.models", "hetfair.criteria", "hetfair.optim"),  # component base classes and registries
     ("hetfair.precision", "hetfair.compile"),  # autocast per process, the job's one loss scale; --compile
     ("hetfair.launch",),  # starting a job: rendezvous, launcher, supervisor, preemption
     ("hetfair.parallel",),  # in training: process context, collectives, stats, strategies, ZeRO, FSDP
     ("hetfair.registry", "hetfair.plugins"),  # the generic registry, plugin discovery
-    ("hetfair.errors", "hetfair.utils", "hetfair.rng"),  # leaves
+    ("hetfair.errors", "hetfair.utils", "hetfair.rng",
+     "hetfair.data.indexed_dataset"),  # leaves (the binary token format both families read)
 ]
 
 # Packages the engine must not import (it finds them through entry points); a family may build on
 # another below it, as a third-party plugin may.
-PLUGIN_FAMILIES = ("hetfair.classification", "hetfair.bert", "hetfair.hf_encoder")
+PLUGIN_FAMILIES = ("hetfair.classification", "hetfair.bert", "hetfair.hf_encoder", "hetfair.lm")
 MAY_IMPORT_PLUGIN_FAMILIES = ("hetfair_cli",)
 
 

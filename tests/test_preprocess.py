@@ -32,7 +32,7 @@ from bert_helpers import (
 )
 from tokenizers import BertWordPieceTokenizer
 
-from hetfair.bert.indexed_dataset import IndexedDataset
+from hetfair.data.indexed_dataset import IndexedDataset
 from hetfair.bert.tokenizer import TokenizerSpec, load_tokenizer
 from hetfair_cli.preprocess import main
 

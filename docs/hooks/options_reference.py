@@ -14,7 +14,6 @@ from typing import Any, Callable, Iterable
 
 from mkdocs.exceptions import PluginError
 
-from hetfair.bert.preprocess import build_parser as preprocess_parser
 from hetfair.criteria import CRITERION_REGISTRY
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
@@ -22,6 +21,8 @@ from hetfair.options import build_parser as train_parser
 from hetfair.registry import Registry
 from hetfair.tasks import TASK_REGISTRY
 from hetfair_cli.export import build_parser as export_parser
+from hetfair_cli.generate import build_parser as generate_parser
+from hetfair_cli.preprocess import build_parser as preprocess_parser
 from hetfair_cli.validate import build_parser as validate_parser
 
 PAGE = "options.md"
@@ -31,6 +32,11 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "hetfair-validate": validate_parser,
     "hetfair-preprocess": preprocess_parser,
     "hetfair-export": export_parser,
+    "hetfair-generate": generate_parser,
+}
+# Further sections of a console script whose flags depend on one of its own (``--task``).
+VARIANTS: dict[str, dict[str, Callable[[], argparse.ArgumentParser]]] = {
+    "hetfair-preprocess": {"hetfair-preprocess --task language_modeling": lambda: preprocess_parser("language_modeling")},
 }
 COMPONENT_REGISTRIES: tuple[Registry[Any], ...] = (
     TASK_REGISTRY, MODEL_REGISTRY, CRITERION_REGISTRY, OPTIMIZER_REGISTRY, LR_SCHEDULER_REGISTRY)
@@ -57,6 +63,9 @@ def render_reference() -> str:
     for script in (script for script in PARSERS if script in scripts):
         parser = PARSERS[script]()
         sections.append(f"## `{script}`\n\n{parser.description or ''}\n\n{render_groups(parser)}")
+        for title, variant in VARIANTS.get(script, {}).items():
+            parser = variant()
+            sections.append(f"## `{title}`\n\n{parser.description or ''}\n\n{render_groups(parser)}")
         if script == "hetfair-train":
             sections.append(render_components())
     return "\n\n".join(sections)

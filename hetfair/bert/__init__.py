@@ -4,7 +4,7 @@ The task (``bert``), model (``bert`` and its ``bert_*`` architectures) and
 criterion (``masked_lm``) are entry points of the hetfair distribution
 (``setup.cfg``), so they are imported only when chosen. The rest is their data
 path: ``hetfair-preprocess`` (:mod:`hetfair.bert.preprocess`), the binary
-splits it writes (:mod:`hetfair.bert.indexed_dataset`), the layout of its output
+splits it writes (:mod:`hetfair.data.indexed_dataset`), the layout of its output
 directory (:mod:`hetfair.bert.data_dir`), vocabularies
 (:mod:`hetfair.bert.tokenizer`), masking and samples.
 

@@ -1,7 +1,7 @@
 """The directory ``hetfair-preprocess`` writes and the ``bert`` task reads.
 
 It holds ``SPLIT.bin`` / ``SPLIT.idx`` per split (see
-:mod:`hetfair.bert.indexed_dataset`), the vocabulary file, and
+:mod:`hetfair.data.indexed_dataset`), the vocabulary file, and
 :data:`METADATA_FILE` recording which tokenizer made them and what each split
 contains.
 """

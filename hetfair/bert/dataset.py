@@ -14,7 +14,7 @@ import numpy as np
 import torch
 from torch.utils.data import Dataset
 
-from hetfair.bert.indexed_dataset import IndexedDataset
+from hetfair.data.indexed_dataset import IndexedDataset
 from hetfair.bert.masking import IGNORE_INDEX, MaskingConfig, mask_tokens
 from hetfair.bert.tokenizer import Vocabulary
 from hetfair.errors import ConfigError, DataError

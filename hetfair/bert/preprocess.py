@@ -25,7 +25,7 @@ import numpy as np
 from tqdm import tqdm
 
 from hetfair.bert.data_dir import SPLIT_FLAGS, destdir_tokenizer_spec, read_metadata, write_metadata
-from hetfair.bert.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab
+from hetfair.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab
 from hetfair.bert.tokenizer import (
     SPECIAL_TOKENS,
     TOKENIZER_KINDS,

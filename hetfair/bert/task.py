@@ -13,7 +13,7 @@ from typing import Any, ClassVar
 from hetfair.bert.data_dir import SPLIT_FLAGS, destdir_tokenizer_spec, read_metadata
 from hetfair.bert.dataset import BertDataset, collate_bert
 from hetfair.bert.hdf5_dataset import Hdf5BertDataset, Hdf5Shard, hdf5_shards, split_shards
-from hetfair.bert.indexed_dataset import IndexedDataset, dataset_exists
+from hetfair.data.indexed_dataset import IndexedDataset, dataset_exists
 from hetfair.bert.masking import MaskingConfig
 from hetfair.bert.tokenizer import (
     Tokenizer,
