@@ -7,6 +7,7 @@ definitions computed here, the length-ordered batch plan with the plain one.
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -207,3 +208,14 @@ def test_bad_input_is_one_line(tmp_path, vocab, capsys, change, flags, message):
     assert len(err.strip().splitlines()) == 1 and err.startswith("hetfair-train: error: "), err
     assert message in err
     assert not (tmp_path / "ckpt").exists() or not any((tmp_path / "ckpt").iterdir())
+
+
+def test_a_missing_datasets_package_is_one_line(tmp_path, vocab, capsys, monkeypatch):
+    monkeypatch.setitem(sys.modules, "datasets", None)  # "import datasets" raises ImportError
+    data = make_labelled_dir(tmp_path / "data", train=12, valid=4)
+    code = train_main(["--task", "sentence_classification", "--data", str(data), "--num-classes", "2",
+                       "--tokenizer", str(vocab), "--max-update", "2", "--max-sentences", "4",
+                       "--save-dir", str(tmp_path / "ckpt"), "--log-format", "none"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("hetfair-train: error: the sentence_classification task reads its files with "
+                                 "Hugging Face datasets: pip install 'hetfair[classification]'\n"), err

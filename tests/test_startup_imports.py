@@ -1,9 +1,10 @@
 """Start-up cost: the command line imports optional heavy libraries only when they are used.
 
 ``sentencepiece`` and ``tokenizers`` belong to the BERT task, ``transformers`` to
-``--arch hf_encoder``, ``tensorboard`` to ``--tensorboard-logdir``; ``--help``,
-``--list-plugins`` and a run of another task must not import them. Each case runs in a fresh
-interpreter (the test session itself has imported whatever other tests needed).
+``--arch hf_encoder``, ``datasets`` to the sentence_classification task, ``tensorboard`` to
+``--tensorboard-logdir``; ``--help``, ``--list-plugins`` and a run of another task must not
+import them. Each case runs in a fresh interpreter (the test session itself has imported
+whatever other tests needed).
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ import pytest
 from helpers import REPO_ROOT, subprocess_env
 
 FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
-OPTIONAL = ("sentencepiece", "tokenizers", "tensorboard", "torch.utils.tensorboard", "transformers")
+OPTIONAL = ("sentencepiece", "tokenizers", "tensorboard", "torch.utils.tensorboard", "transformers",
+            "datasets")
 
 PROBE = """
 import json, sys

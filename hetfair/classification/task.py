@@ -46,11 +46,11 @@ class SentenceClassificationTask(Task):
         "lr_scheduler": "polynomial_decay",
     }
 
-    def __init__(self, args: argparse.Namespace, encoder: TextEncoder, label_names: list[str]) -> None:
+    def __init__(self, args: argparse.Namespace, encoder: TextEncoder) -> None:
         super().__init__(args)
         self.encoder = encoder
-        self.num_classes = len(label_names)
-        self.label_names = label_names
+        self.num_classes: int = args.num_classes
+        self.label_names: list[str] = list(args.label_names or [])
         self.pad_index = encoder.pad_index
         self.vocab_size = encoder.vocab_size
         self.columns = Columns(args.text_column, args.text_pair_column, args.label_column)
@@ -89,16 +89,16 @@ class SentenceClassificationTask(Task):
                               f"{args.num_classes}")
         if args.max_positions is not None and args.max_positions < 2:
             raise ConfigError(f"--max-positions must be at least 2 ([CLS] and [SEP]), got {args.max_positions}")
+        if args.label_names and len(args.label_names) != args.num_classes:
+            raise ConfigError(f"--label-names lists {len(args.label_names)} classes but --num-classes is "
+                              f"{args.num_classes}")
         source = resolve_tokenizer(args)
         encoder = load_text_encoder(source.path, source.lowercase, source.max_positions)
         vars(args).update(tokenizer=source.path, lowercase=source.lowercase, max_positions=source.max_positions)
-        task = cls(args, encoder, args.label_names or [])
+        task = cls(args, encoder)
         if not args.label_names:
             args.label_names = label_names_of(task.labelled_text(args.train_subset), args.num_classes)
-        elif len(args.label_names) != args.num_classes:
-            raise ConfigError(f"--label-names lists {len(args.label_names)} classes but --num-classes is "
-                              f"{args.num_classes}")
-        task.label_names, task.num_classes = list(args.label_names), args.num_classes
+            task.label_names = list(args.label_names)
         return task
 
     def split_path(self, split: str) -> str:
