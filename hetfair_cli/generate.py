@@ -24,7 +24,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--path", required=True, metavar="CKPT", help="checkpoint written by hetfair-train")
     parser.add_argument("--prompt", default="", metavar="TEXT", help="text to continue")
     parser.add_argument("--max-new-tokens", required=True, type=int, metavar="N", help="tokens to generate")
-    parser.add_argument("--top-k", type=int, metavar="K", help="sample among the K most likely tokens (default: greedy)")
+    parser.add_argument("--top-k", type=int, metavar="K",
+                        help="sample among the K most likely tokens (default: greedy)")
     parser.add_argument("--temperature", type=float, default=1.0, metavar="T", help="sampling temperature")
     parser.add_argument("--seed", type=int, default=1, metavar="S", help="seed of the sampling")
     parser.add_argument("--data", metavar="DIR", type=absolute_path,

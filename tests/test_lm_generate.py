@@ -96,3 +96,11 @@ def test_hetfair_generate_prints_the_continuation_of_a_trained_checkpoint(tmp_pa
     assert generate_main(["--path", str(checkpoint), "--prompt", PROMPT, "--max-new-tokens", "100"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("hetfair-generate: error: the prompt") and "16 positions" in err[0]
+
+
+def test_an_empty_prompt_starts_after_the_start_token_and_needs_one(model, tokenizer):
+    result = generate(model, "", 5, tokenizer=tokenizer, start_token=1)
+    assert result.prompt_tokens == [] and len(result.new_tokens) == 5
+    assert result.new_tokens == generate(model, "", 5, tokenizer=tokenizer, start_token=1).new_tokens
+    with pytest.raises(ConfigError, match="the prompt is empty and there is no start token"):
+        generate(model, "", 5, tokenizer=tokenizer)

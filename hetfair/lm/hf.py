@@ -74,7 +74,9 @@ def to_hf_config(config: LMConfig, eos_token_id: int, pad_token_id: int | None) 
 
 
 def from_hf_config(values: Mapping[str, Any], source: str, dropout: float, attention_dropout: float) -> LMConfig:
-    """The :class:`LMConfig` of a transformers ``config.json`` (dropout as given); what hetfair cannot build is an error."""
+    """The :class:`LMConfig` of a transformers ``config.json`` (dropout as given).
+
+    What hetfair cannot build is a :class:`ConfigError`."""
     model_type = values.get("model_type")
     if model_type not in _MODEL_TYPES:
         raise ConfigError(f"{source} holds a '{model_type}' model; --init-from-hf reads GPT-2 (model_type gpt2) or "
@@ -274,7 +276,8 @@ def write_hf_directory(model: "TransformerLM", outdir: str, task: "Task") -> str
     special = {"eos_token": tokenizer.id_to_token(eos), "bos_token": tokenizer.id_to_token(eos)}
     if pad is not None:
         special["pad_token"] = tokenizer.id_to_token(pad)
-    hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=str(task.tokenizer_file),  # type: ignore[attr-defined]
+    tokenizer_file = str(task.tokenizer_file)  # type: ignore[attr-defined]
+    hf_tokenizer = transformers.PreTrainedTokenizerFast(tokenizer_file=tokenizer_file,
                                                         model_max_length=config.max_positions, **special)
     hf_tokenizer.save_pretrained(outdir)
     return success_message(outdir, MODEL_CLASSES[config.positions])

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# flag destination -> LMConfig field; the flags are fairseq's transformer_lm names
+# flag destination -> LMConfig field (besides --max-target-positions); fairseq's transformer_lm names
 _FLAGS = {
     "decoder_embed_dim": "embed_dim",
     "decoder_layers": "layers",
@@ -44,7 +44,6 @@ _FLAGS = {
     "activation_fn": "activation_fn",
     "dropout": "dropout",
     "attention_dropout": "attention_dropout",
-    "max_target_positions": "max_positions",
 }
 _HELP = {
     "embed_dim": "width of the model (embeddings and residual stream)",
@@ -157,8 +156,6 @@ class TransformerLM(HetfairModel):
     def add_args(parser: argparse.ArgumentParser) -> None:
         defaults = LMConfig(vocab_size=1)
         for dest, name in _FLAGS.items():
-            if name == "max_positions":
-                continue
             value = getattr(defaults, name)
             parser.add_argument(f"--{dest.replace('_', '-')}", type=type(value), default=value,
                                 metavar=type(value).__name__.upper(), help=_HELP[name],
@@ -179,7 +176,7 @@ class TransformerLM(HetfairModel):
         if max_positions is None:
             raise ConfigError("the task gives no sample length; set --max-target-positions")
         config = LMConfig(vocab_size=task.vocab_size, max_positions=max_positions,  # type: ignore[attr-defined]
-                          **{name: getattr(args, dest) for dest, name in _FLAGS.items() if name != "max_positions"})
+                          **{name: getattr(args, dest) for dest, name in _FLAGS.items()})
         _check_fits(config, task)
         _record(args, config)
         return cls(config)
@@ -192,9 +189,10 @@ class TransformerLM(HetfairModel):
         directory = args.init_from_hf
         check_same_tokenizer(directory, task)
         source = read_hf_directory(directory, dropout=args.dropout, attention_dropout=args.attention_dropout)
-        if source.config.vocab_size != task.vocab_size:  # type: ignore[attr-defined]
+        vocab_size = task.vocab_size  # type: ignore[attr-defined]
+        if source.config.vocab_size != vocab_size:
             raise ConfigError(f"--init-from-hf {directory} has a vocabulary of {source.config.vocab_size} tokens but "
-                              f"--data has {task.vocab_size}; preprocess with its tokenizer.json")  # type: ignore[attr-defined]
+                              f"--data has {vocab_size}; preprocess with its tokenizer.json")
         _check_fits(source.config, task)
         _record(args, source.config)
         model = cls(source.config)
@@ -220,7 +218,8 @@ def _check_fits(config: LMConfig, task: "Task") -> None:
 
 def _record(args: argparse.Namespace, config: LMConfig) -> None:
     """Write the sizes actually built back to ``args`` (the checkpoint's options rebuild this model)."""
-    vars(args).update({dest: getattr(config, name) for dest, name in _FLAGS.items()})
+    vars(args).update({dest: getattr(config, name) for dest, name in _FLAGS.items()},
+                      max_target_positions=config.max_positions)
 
 
 def _arch(embed_dim: int, layers: int, heads: int) -> dict[str, int]:
