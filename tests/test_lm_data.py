@@ -204,8 +204,8 @@ def test_bad_training_input_is_one_line(corpus, tmp_path, capsys, flags, message
     names = {"DATA": str(corpus["data"]), "EMPTY": str(tmp_path / "EMPTY"), "missing": str(tmp_path / "missing")}
     flags = [names.get(flag, flag) for flag in flags]
     code = train_main(["--task", "language_modeling", "--arch", "gpt_tiny", "--tokens-per-sample", "16",
-                       "--max-tokens", "64", "--max-update", "1", "--save-dir", str(tmp_path / "ckpt"), "--log-format", "none",
-                       *flags])
+                       "--max-tokens", "64", "--max-update", "1", "--save-dir", str(tmp_path / "ckpt"),
+                       "--log-format", "none", *flags])
     err = capsys.readouterr().err
     assert code == 2, err
     assert len(err.strip().splitlines()) == 1 and err.startswith("hetfair-train: error: "), err

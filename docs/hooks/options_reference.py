@@ -36,7 +36,8 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
 }
 # Further sections of a console script whose flags depend on one of its own (``--task``).
 VARIANTS: dict[str, dict[str, Callable[[], argparse.ArgumentParser]]] = {
-    "hetfair-preprocess": {"hetfair-preprocess --task language_modeling": lambda: preprocess_parser("language_modeling")},
+    "hetfair-preprocess": {
+        "hetfair-preprocess --task language_modeling": lambda: preprocess_parser("language_modeling")},
 }
 COMPONENT_REGISTRIES: tuple[Registry[Any], ...] = (
     TASK_REGISTRY, MODEL_REGISTRY, CRITERION_REGISTRY, OPTIMIZER_REGISTRY, LR_SCHEDULER_REGISTRY)
