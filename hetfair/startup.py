@@ -19,7 +19,7 @@ PARALLELISM = "parallelism"
 LOSS_SCALE = "loss_scale"
 _DISAGREEMENT = {
     PARALLELISM: "ranks {ranks} were given other --zero-sharding/--zero-shard-weights than rank 0 "
-                 "(or another --ddp-backend or --outer-* flag)",
+                 "(or another --ddp-backend)",
     LOSS_SCALE: "ranks {ranks} were given other --fp16-init-scale/--fp16-scale-window/--min-loss-scale/"
                 "--threshold-loss-scale (or --update-freq) than rank 0, and the job shares one loss scale",
 }

@@ -39,10 +39,9 @@ inner optimizer state (nodes' inner states differ), so a resume is exact.
 
 from __future__ import annotations
 
-import argparse
 import logging
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, ContextManager, Optional, Sequence
+from typing import Any, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -57,9 +56,6 @@ from hetfair.parallel.collectives import all_gather_ints
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.strategy import Strategy
-
-if TYPE_CHECKING:
-    from hetfair.optim import HetfairOptimizer
 
 logger = logging.getLogger(__name__)
 
@@ -123,10 +119,6 @@ class OuterLoopStrategy(Strategy):
             find_unused_parameters=self.config.find_unused_parameters,
             bucket_cap_mb=self.config.bucket_cap_mb, gradient_as_bucket_view=True)
 
-    def build_optimizer(self, recipe: type["HetfairOptimizer"], args: argparse.Namespace,
-                        params: list[nn.Parameter]) -> torch.optim.Optimizer:
-        return recipe.build(args, params)
-
     def gradient_sync(self, wrapped: nn.Module, is_last: bool) -> ContextManager[Any]:
         if is_last or not isinstance(wrapped, DistributedDataParallel):
             return nullcontext()
@@ -140,7 +132,7 @@ class OuterLoopStrategy(Strategy):
         return len(self.node) / node_samples if node_samples > 0 else 0.0
 
     def agree_on_overflow(self, found_inf: torch.Tensor) -> None:
-        """Nodes' gradients differ, so must their overflow flags: all skip when one overflows, and the
+        """Nodes' gradients differ, and so may their overflow flags: all skip when one overflows, so the
         ranks keep counting the same updates."""
         if self.context.is_distributed:
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
