@@ -20,6 +20,7 @@ from hetfair.errors import (
     UserDirNeededError,
     first_line,
 )
+from hetfair.models import MODEL_REGISTRY
 from hetfair.options import stored_options
 from hetfair.plugins import import_user_dir
 from hetfair.tasks import TASK_REGISTRY, Task
@@ -55,6 +56,8 @@ def load_model(path: str | Path, user_dir: Optional[str | Path] = None, override
     path = Path(path)
     state = load_checkpoint(path)
     options = _options(path, state, user_dir, overrides or {}, task_argv)
+    for name in getattr(MODEL_REGISTRY.get(options.model), "init_source_options", ()):
+        setattr(options, name, None)  # the checkpoint's weights replace the source's; it need not exist any more
     task, model = _build(path, options)
     try:
         model.load_state_dict(model_weights(state))

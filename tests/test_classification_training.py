@@ -135,17 +135,21 @@ def test_the_best_checkpoint_is_the_first_epoch_of_highest_validation_accuracy(s
     assert all(torch.equal(best["trainer"]["model"][name], of_epoch[name]) for name in of_epoch)
 
 
-def test_the_export_is_a_transformers_classifier_with_the_same_logits_and_logged_metrics(workdir, single):
+def test_the_export_is_a_transformers_classifier_with_the_same_logits_and_logged_metrics(workdir, pretrained, single):
     save_dir, valid = single
     outdir = workdir / "exported"
-    assert export_main(["--path", str(save_dir / "checkpoint_last.pt"), "--to", "hf", str(outdir)]) == 0
+    moved = pretrained.rename(pretrained.with_name("moved_away.pt"))  # the fine-tuned checkpoint needs it no more
+    try:
+        assert export_main(["--path", str(save_dir / "checkpoint_last.pt"), "--to", "hf", str(outdir)]) == 0
+        ours = hetfair.load_model(save_dir / "checkpoint_last.pt")
+    finally:
+        moved.rename(pretrained)
     model = AutoModelForSequenceClassification.from_pretrained(outdir).eval()
     tokenizer = AutoTokenizer.from_pretrained(outdir)
     assert type(model).__name__ == "BertForSequenceClassification"
     table = rows(prose_lines(TRAIN + VALID)[TRAIN:], pairs=True)
     batch = tokenizer([r["text"] for r in table], [r["second"] for r in table], padding=True, truncation=True,
                       return_tensors="pt")
-    ours = hetfair.load_model(save_dir / "checkpoint_last.pt")
     with torch.no_grad():
         logits = model(**batch).logits
         our_logits = ours.model(batch["input_ids"], batch["attention_mask"], batch["token_type_ids"])

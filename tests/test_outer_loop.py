@@ -179,6 +179,11 @@ BAD_FLAGS = [
     (["--ddp-backend", "diloco", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1), got 1.0"),
     (["--ddp-backend", "diloco", "--zero-sharding", "os"], "--ddp-backend diloco keeps each node's optimizer "
                                                            "state whole; drop --zero-sharding"),
+    (["--ddp-backend", "diloco", "--reduce-dtype", "bf16"], "--reduce-dtype bf16 needs --ddp-backend fully_sharded "
+                                                            "or hybrid_sharded; diloco sends its pseudo-gradients"),
+    (["--ddp-backend", "localsgd", "--shard-group-size", "2"], "--shard-group-size needs --ddp-backend "
+                                                               "hybrid_sharded"),
+    (["--ddp-backend", "localsgd", "--ddp-comm-hook", "bf16"], "strategy localsgd takes none: drop --ddp-comm-hook"),
 ]
 
 

@@ -111,6 +111,8 @@ class BertModel(HetfairModel):
     parameter receives a gradient (DDP needs no unused-parameter search).
     """
 
+    init_source_options = ("init_from_hf",)
+
     def __init__(self, config: BertConfig, nsp: bool = False) -> None:
         super().__init__()
         config.validate()

@@ -49,6 +49,8 @@ POOLER = ("pooler.weight", "pooler.bias")
 class BertClassifier(HetfairModel):
     """BERT encoder + pooler + classifier; ``forward(**net_input)`` gives ``logits[B, num_classes]``."""
 
+    init_source_options = ("init_from_checkpoint", "init_from_hf")
+
     def __init__(self, config: BertConfig, num_classes: int) -> None:
         super().__init__()
         config.validate()

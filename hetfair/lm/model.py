@@ -104,6 +104,8 @@ class DecoderLayer(nn.Module):
 class TransformerLM(HetfairModel):
     """Decoder-only transformer: ``model(src_tokens) -> logits`` over the next token at every position."""
 
+    init_source_options = ("init_from_hf",)
+
     def __init__(self, config: LMConfig) -> None:
         super().__init__()
         config.validate()

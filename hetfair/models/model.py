@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
 from torch import nn
 
@@ -15,6 +15,13 @@ if TYPE_CHECKING:
 
 class HetfairModel(nn.Module):
     """Base of registered models: declare flags in :meth:`add_args`, build in :meth:`build_model`."""
+
+    init_source_options: ClassVar[tuple[str, ...]] = ()
+    """The options (``dest`` names) that say where a *new* model's weights come from, e.g. ``init_from_hf``.
+
+    A model built from them must record the sizes it took into ``args``; a checkpoint's own
+    weights replace them, so :func:`hetfair.load_model` (``hetfair-validate``, ``hetfair-export``,
+    ``hetfair-generate``) builds without them and needs no source that may be gone since."""
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:

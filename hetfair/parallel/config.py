@@ -53,6 +53,17 @@ class ParallelConfig:
                    ddp_comm_hook=args.ddp_comm_hook, powersgd_rank=args.powersgd_rank,
                    powersgd_start_update=args.powersgd_start_update)
 
+    def refuse_sharding_flags(self, instead: str) -> None:
+        """For a mode that does not shard parameters: refuse the sharded modes' flags (a :class:`ConfigError`);
+        ``instead`` says what this mode offers in their place."""
+        if not self.reshard_after_forward:
+            raise ConfigError("--no-reshard-after-forward needs --ddp-backend fully_sharded or hybrid_sharded")
+        if self.reduce_dtype != "fp32":
+            raise ConfigError(f"--reduce-dtype {self.reduce_dtype} needs --ddp-backend fully_sharded or "
+                              f"hybrid_sharded; {instead}")
+        if self.shard_group_size is not None:
+            raise ConfigError("--shard-group-size needs --ddp-backend hybrid_sharded")
+
     def refuse_outer_flags(self) -> None:
         """For a mode without an outer loop: refuse the outer-loop flags (a :class:`ConfigError`)."""
         given = [flag for flag, value in (("--outer-interval", self.outer_interval), ("--outer-lr", self.outer_lr),

@@ -82,8 +82,7 @@ class OuterLoopStrategy(Strategy):
         name = config.ddp_backend
         if config.zero_sharding != "none" or config.zero_shard_weights is not None:
             raise ConfigError(f"--ddp-backend {name} keeps each node's optimizer state whole; drop --zero-sharding")
-        if not config.reshard_after_forward:
-            raise ConfigError("--no-reshard-after-forward needs --ddp-backend fully_sharded")
+        config.refuse_sharding_flags(instead=f"{name} sends its pseudo-gradients only every --outer-interval updates")
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         super().__init__(config, context)

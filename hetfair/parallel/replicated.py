@@ -47,13 +47,7 @@ class ReplicatedStrategy(Strategy):
             if config.zero_sharding != "os":
                 raise ConfigError("--zero-shard-weights needs --zero-sharding os")
             zero.parse_shard_weights(config.zero_shard_weights)
-        if not config.reshard_after_forward:
-            raise ConfigError("--no-reshard-after-forward needs --ddp-backend fully_sharded or hybrid_sharded")
-        if config.reduce_dtype != "fp32":
-            raise ConfigError(f"--reduce-dtype {config.reduce_dtype} needs --ddp-backend fully_sharded or "
-                              f"hybrid_sharded; replicated training compresses with --ddp-comm-hook")
-        if config.shard_group_size is not None:
-            raise ConfigError("--shard-group-size needs --ddp-backend hybrid_sharded")
+        config.refuse_sharding_flags(instead="replicated training compresses with --ddp-comm-hook")
         config.refuse_outer_flags()
 
     @classmethod
