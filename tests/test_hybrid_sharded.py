@@ -13,15 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, rank_flags, run_nodes, subprocess_env, \
+from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, rank_flags, run_nodes, \
     train_command
 from hetfair.errors import ConfigError
-from hetfair.launch.network import GLOO_INTERFACE_ENV
-from hetfair.launch.rendezvous import SECRET_ENV
 from hetfair.parallel import ParallelConfig
 from hetfair.parallel.nodes import node_layout
 from hetfair.startup import PARALLELISM, RankFacts, check_agreement
 from hetfair_cli.train import main as train_main
+from multi_host import finish, node_env
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
 HYBRID_2X2 = ("--ddp-backend", "hybrid_sharded", "--shard-group-size", "2")
@@ -58,8 +57,7 @@ def start_on_hosts(network, tmp_path: Path, hosts: list[int], batches: list[int]
     """Rank ``r`` of a hybrid toy job on host ``hosts[r]`` with batch ``batches[r]``: each command's exit code and
     stderr (the log goes there)."""
     init = f"tcp://{network.hosts[0].address}:29500"
-    env = {name: value for name, value in subprocess_env().items() if name != GLOO_INTERFACE_ENV}
-    env[SECRET_ENV] = "the job's secret"
+    env = node_env()
     procs = []
     for rank, (host, batch) in enumerate(zip(hosts, batches)):
         args = toy_train_args(tmp_path / "ckpt", 1) + ["--max-sentences", str(batch),
@@ -67,13 +65,7 @@ def start_on_hosts(network, tmp_path: Path, hosts: list[int], batches: list[int]
                                                        "--ddp-backend", "hybrid_sharded", *extra]
         procs.append(subprocess.Popen(network.hosts[host].command(*train_command(*args)), cwd=tmp_path, env=env,
                                       stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
-    try:
-        errors = [proc.communicate(timeout=240)[1] for proc in procs]
-        return [(proc.returncode, err) for proc, err in zip(procs, errors)]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+    return finish(procs)
 
 
 def test_two_hosts_of_two_processes_shard_inside_each_host(make_network, tmp_path):

@@ -2,21 +2,18 @@
 
 Each host maps the machine's hostname to 127.0.0.1, as many ``/etc/hosts`` do, which is
 what gloo binds to by default; reverse lookups fail there (no name server), as for most
-addresses on a cluster's network.
+addresses on a cluster's network (see multi_host.py).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import os
-import socket
-import subprocess
 
 import pytest
 import torch
 
-from helpers import TOY_PLUGIN, final_parameters, rank_flags, subprocess_env, train_command
-from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV
+from helpers import TOY_PLUGIN, final_parameters, rank_flags
 from hetfair.launch.network import (
     GLOO_INTERFACE_ENV,
     NCCL_INTERFACE_ENV,
@@ -24,40 +21,9 @@ from hetfair.launch.network import (
     interface_towards,
     use_interface,
 )
-from hetfair.launch.rendezvous import SECRET_ENV
 from hetfair_cli.train import main as train_main
-from toy_reference import assert_same, reference_parameters, toy_train_args
-
-HOSTNAME_MEANS_LOOPBACK = {"hosts": f"127.0.0.1 localhost\n127.0.0.1 {socket.gethostname()}\n", "resolv.conf": ""}
-
-
-def node_env() -> dict[str, str]:
-    env = {name: value for name, value in subprocess_env().items()
-           if name not in (GLOO_INTERFACE_ENV, NCCL_INTERFACE_ENV, CPP_LOG_LEVEL_ENV)}
-    return {**env, SECRET_ENV: "the job's secret"}
-
-
-def start_nodes(network, tmp_path, *extra: str, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
-    """One hetfair-train command per host (a toy job of two ranks meeting at host 0), each with its batch size,
-    in ``env`` (default: :func:`node_env`)."""
-    init = f"tcp://{network.hosts[0].address}:29500"
-    procs = []
-    for rank, (host, batch) in enumerate(zip(network.hosts, ("12", "20"))):
-        args = toy_train_args(tmp_path / "ckpt", 1) + ["--max-sentences", batch, *rank_flags(rank, 2, init), *extra]
-        procs.append(subprocess.Popen(host.command(*train_command(*args)), cwd=tmp_path, env=env or node_env(),
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
-    return procs
-
-
-def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
-    """Each command's exit code and stderr."""
-    try:
-        errors = [proc.communicate(timeout=240)[1] for proc in procs]
-        return [(proc.returncode, err) for proc, err in zip(procs, errors)]
-    finally:
-        for proc in procs:
-            proc.kill()
-            proc.wait()
+from multi_host import HOSTNAME_MEANS_LOOPBACK, finish, start_nodes
+from toy_reference import assert_same, reference_parameters
 
 
 def test_two_hosts_whose_hostname_means_loopback_train_and_print_nothing(make_network, tmp_path):

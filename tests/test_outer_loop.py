@@ -20,7 +20,7 @@ import torch.nn.functional as F
 from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, rank_flags, run_nodes, train_command
 from hetfair.checkpoint import load_checkpoint
 from hetfair_cli.train import main as train_main
-from test_multi_host_network import finish, node_env
+from multi_host import finish, node_env
 from toy_plugin import Blobs, ToyMLP
 from toy_reference import EPOCHS, LR, SEED, TRAIN_SIZE, assert_same, reference_parameters, toy_train_args
 

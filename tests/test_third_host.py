@@ -14,7 +14,7 @@ from pathlib import Path
 from helpers import final_parameters, rank_flags, train_command
 from hetfair.launch.network import GLOO_INTERFACE_ENV
 from hetfair.launch.rendezvous import SECRET_ENV
-from test_multi_host_network import HOSTNAME_MEANS_LOOPBACK, finish, node_env, start_nodes
+from multi_host import HOSTNAME_MEANS_LOOPBACK, finish, node_env, start_nodes
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
 _OUTSIDER = """
