@@ -38,8 +38,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair.launch",),  # starting a job: rendezvous, launcher, supervisor, preemption
     ("hetfair.parallel",),  # in training: process context, collectives, stats, strategies, ZeRO, FSDP
     ("hetfair.registry", "hetfair.plugins"),  # the generic registry, plugin discovery
-    ("hetfair.errors", "hetfair.utils", "hetfair.rng",
-     "hetfair.data.indexed_dataset"),  # leaves (the binary token format both families read)
+    ("hetfair.errors", "hetfair.utils", "hetfair.rng", "hetfair.data.indexed_dataset",
+     "hetfair.data.preprocess_output"),  # leaves (the binary token format and preprocessing output every family shares)
 ]
 
 # Packages the engine must not import (it finds them through entry points); a family may build on

@@ -16,8 +16,6 @@ from hetfair.bert.tokenizer import TokenizerSpec
 from hetfair.errors import DataError
 
 METADATA_FILE = "preprocess.json"
-# Split name -> the hetfair-preprocess flag (without "--") that creates it.
-SPLIT_FLAGS = {"train": "trainpref", "valid": "validpref", "test": "testpref"}
 
 
 def read_metadata(destdir: str) -> dict[str, Any] | None:

@@ -14,7 +14,6 @@ import io
 import multiprocessing
 import os
 import shutil
-import tempfile
 from collections import deque
 from contextlib import contextmanager
 from dataclasses import asdict
@@ -24,8 +23,9 @@ from typing import Any, Callable, Iterable, Iterator, Sequence, TypeVar
 import numpy as np
 from tqdm import tqdm
 
-from hetfair.bert.data_dir import SPLIT_FLAGS, destdir_tokenizer_spec, read_metadata, write_metadata
+from hetfair.bert.data_dir import destdir_tokenizer_spec, read_metadata, write_metadata
 from hetfair.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab
+from hetfair.data.preprocess_output import SPLIT_FLAGS, input_splits, staged_output
 from hetfair.bert.tokenizer import (
     SPECIAL_TOKENS,
     TOKENIZER_KINDS,
@@ -77,19 +77,8 @@ def preprocess(args: argparse.Namespace) -> dict[str, Any]:
     ``destdir`` as they were, and no ``destdir`` at all if it made it.
     """
     splits = _check_args(args)
-    created = _make_destdir(args.destdir)
-    staging = tempfile.mkdtemp(prefix=".preprocess-", dir=args.destdir)
-    done = False
-    try:
-        metadata = _preprocess_into(args, splits, staging)
-        done = True
-    except OSError as exc:
-        raise DataError(f"cannot write into {args.destdir}: {exc.strerror or exc}; "
-                        f"the files already there are untouched") from exc
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if created and not done:
-            shutil.rmtree(args.destdir, ignore_errors=True)
+    with staged_output(args.destdir) as staging:
+        metadata = _preprocess_into(args, splits, str(staging))
     for split in splits:
         stats = metadata["splits"][split]
         print(f"{split}: {stats['documents']} documents, {stats['sentences']} sentences, {stats['tokens']} "
@@ -115,12 +104,7 @@ def _preprocess_into(args: argparse.Namespace, splits: dict[str, str], staging: 
 
 def _check_args(args: argparse.Namespace) -> dict[str, str]:
     """Every option checked before anything is read or written; returns split -> input file."""
-    splits = {split: getattr(args, flag) for split, flag in SPLIT_FLAGS.items() if getattr(args, flag)}
-    if not splits:
-        raise ConfigError("nothing to do: give at least one of --trainpref, --validpref, --testpref")
-    for path in splits.values():
-        if not os.path.isfile(path):
-            raise DataError(f"input file {path} does not exist")
+    splits = input_splits(args)
     if args.workers < 1:
         raise ConfigError(f"--workers must be at least 1, got {args.workers}")
     if args.vocab_size <= len(SPECIAL_TOKENS):
@@ -128,20 +112,8 @@ def _check_args(args: argparse.Namespace) -> dict[str, str]:
                           f"got {args.vocab_size}")
     if not 0 < args.character_coverage <= 1:
         raise ConfigError(f"--character-coverage must be in (0, 1], got {args.character_coverage}")
-    if os.path.exists(args.destdir) and not os.path.isdir(args.destdir):
-        raise ConfigError(f"--destdir {args.destdir} is not a directory")
     return splits
 
-
-def _make_destdir(destdir: str) -> bool:
-    """Create ``destdir`` if needed; whether this run created it."""
-    if os.path.isdir(destdir):
-        return False
-    try:
-        os.makedirs(destdir)
-    except OSError as exc:
-        raise DataError(f"cannot create --destdir {destdir}: {exc.strerror or exc}") from exc
-    return True
 
 
 def _vocabulary_in_destdir(args: argparse.Namespace, splits: dict[str, str], staging: str) -> TokenizerSpec:

@@ -10,10 +10,11 @@ import argparse
 import os
 from typing import Any, ClassVar
 
-from hetfair.bert.data_dir import SPLIT_FLAGS, destdir_tokenizer_spec, read_metadata
+from hetfair.bert.data_dir import destdir_tokenizer_spec, read_metadata
 from hetfair.bert.dataset import BertDataset, collate_bert
 from hetfair.bert.hdf5_dataset import Hdf5BertDataset, Hdf5Shard, hdf5_shards, split_shards
 from hetfair.data.indexed_dataset import IndexedDataset, dataset_exists
+from hetfair.data.preprocess_output import SPLIT_FLAGS
 from hetfair.bert.masking import MaskingConfig
 from hetfair.bert.tokenizer import (
     Tokenizer,

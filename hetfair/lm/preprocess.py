@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import shutil
-import tempfile
 from itertools import islice
 from pathlib import Path
 from typing import Any, Iterator
@@ -22,9 +20,9 @@ import numpy as np
 from tokenizers import Tokenizer
 
 from hetfair.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab
+from hetfair.data.preprocess_output import SPLIT_FLAGS, input_splits, staged_output
 from hetfair.errors import ConfigError, DataError
 from hetfair.lm.corpus import documents
-from hetfair.lm.task import SPLIT_FLAGS
 from hetfair.lm.tokenizer import EOS_TOKEN, TOKENIZER_FILE, load_tokenizer, special_id, train_bpe
 from hetfair.utils import DefaultsHelpFormatter
 
@@ -59,23 +57,8 @@ def preprocess(args: argparse.Namespace) -> dict[str, dict[str, int]]:
     """Write ``tokenizer.json`` and every requested split into ``args.destdir``; return each split's counts."""
     splits = _check_args(args)
     destdir = Path(args.destdir)
-    created = not destdir.is_dir()
-    try:
-        destdir.mkdir(parents=True, exist_ok=True)
-        staging = Path(tempfile.mkdtemp(prefix=".preprocess-", dir=destdir))
-    except OSError as exc:
-        raise DataError(f"cannot write into --destdir {destdir}: {exc.strerror or exc}") from exc
-    done = False
-    try:
+    with staged_output(destdir) as staging:
         counts = _preprocess_into(args, splits, destdir, staging)
-        done = True
-    except OSError as exc:
-        raise DataError(f"cannot write into {destdir}: {exc.strerror or exc}; the files already there are "
-                        f"untouched") from exc
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-        if created and not done:
-            shutil.rmtree(destdir, ignore_errors=True)
     for split, stats in counts.items():
         print(f"{split}: {stats['documents']} documents, {stats['tokens']} tokens -> {destdir / split}.bin")
     return counts
@@ -83,14 +66,7 @@ def preprocess(args: argparse.Namespace) -> dict[str, dict[str, int]]:
 
 def _check_args(args: argparse.Namespace) -> dict[str, str]:
     """Every option checked before anything is read or written; returns split -> input file."""
-    splits = {split: getattr(args, flag) for split, flag in SPLIT_FLAGS.items() if getattr(args, flag)}
-    if not splits:
-        raise ConfigError("nothing to do: give at least one of --trainpref, --validpref, --testpref")
-    for path in splits.values():
-        if not os.path.isfile(path):
-            raise DataError(f"input file {path} does not exist")
-    if os.path.exists(args.destdir) and not os.path.isdir(args.destdir):
-        raise ConfigError(f"--destdir {args.destdir} is not a directory")
+    splits = input_splits(args)
     existing = Path(args.destdir) / TOKENIZER_FILE
     if existing.is_file() and (args.tokenizer or args.tokenizer_file):
         raise ConfigError(f"{args.destdir} already holds a tokenizer ({existing}); drop --tokenizer/--tokenizer-file "

@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 from tokenizers import Tokenizer
 
 from hetfair.data.indexed_dataset import IndexedDataset, dataset_exists
+from hetfair.data.preprocess_output import SPLIT_FLAGS
 from hetfair.errors import ConfigError, DataError
 from hetfair.lm.dataset import TokenBlockDataset, collate_blocks
 from hetfair.lm.tokenizer import EOS_TOKEN, PAD_TOKEN, TOKENIZER_FILE, load_tokenizer, special_id
@@ -22,7 +23,6 @@ from hetfair.tasks import register_task
 from hetfair.tasks.task import Task
 from hetfair.utils import absolute_path
 
-SPLIT_FLAGS = {"train": "trainpref", "valid": "validpref", "test": "testpref"}
 """Split name -> the hetfair-preprocess flag (without "--") that creates it."""
 
 
