@@ -24,6 +24,7 @@ from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.optim.implementation import IMPLEMENTATIONS
 from hetfair.parallel import COMM_HOOKS, STRATEGY_REGISTRY, ParallelConfig, check_strategy_options
 from hetfair.plugins import import_user_dir
+from hetfair.memory.sizes import parse_size
 from hetfair.precision import parse_precision
 from hetfair.tasks import TASK_REGISTRY
 from hetfair.utils import DefaultsHelpFormatter, absolute_path
@@ -274,6 +275,14 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     _option(group, "--outer-momentum", bounds=Bounds(0.0, 1.0, open_maximum=True), type=float, metavar="M",
             help="with --ddp-backend diloco: Nesterov momentum of the outer SGD (default: 0.9, as in the "
                  "DiLoCo paper)")
+    group.add_argument("--shard-fractions", metavar="F0,F1,...",
+                       help="with fully_sharded: one number per rank, its share of the parameters, gradients and "
+                            "optimizer state (e.g. 1,3: rank 1 holds three times rank 0's share; default: from "
+                            "--memory-budget, else equal shares)")
+    _option(group, "--memory-budget", bounds=Bounds(1), metavar="SIZE[,SIZE...]",
+            type=PerProcessValues(parse_size, "memory_budget", int, "a memory size"),
+            help="memory each process may use, e.g. 6G or 6G,20G (one per process of this command); "
+                            "the sharded state is split in proportion (default on CUDA: the device's free memory)")
     group.add_argument("--zero-sharding", choices=("none", "os"), default="none",
                        help="os: shard optimizer state across ranks (ZeRO stage 1); "
                             "each rank updates its shard and broadcasts it")

@@ -27,7 +27,8 @@ from hetfair.errors import ConfigError
 
 T = TypeVar("T")
 
-PER_PROCESS_OPTIONS: tuple[str, ...] = ("max_sentences", "max_tokens", "precision", "device_id")
+PER_PROCESS_OPTIONS: tuple[str, ...] = ("max_sentences", "max_tokens", "precision", "device_id",
+                                          "memory_budget")
 """The ``args`` attributes that may hold one value per local process."""
 
 

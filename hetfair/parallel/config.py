@@ -12,6 +12,20 @@ COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "auto")
 """``--ddp-comm-hook`` choices: how the replicated strategy's DDP communicates gradients."""
 
 
+def parse_shard_fractions(text: Optional[str]) -> Optional[tuple[float, ...]]:
+    """``--shard-fractions 1,3`` -> ``(0.25, 0.75)`` (normalised to sum to 1); ``None`` stays ``None``."""
+    if text is None:
+        return None
+    try:
+        values = [float(item) for item in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or any(not value > 0 for value in values):
+        raise ConfigError(f"--shard-fractions {text}: give one positive number per rank, like 1,3")
+    total = sum(values)
+    return tuple(value / total for value in values)
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """``--ddp-backend`` (the strategy's registry name) and the flags the built-in strategies read."""
@@ -38,6 +52,8 @@ class ParallelConfig:
     """Fully or hybrid sharded: the dtype gradients are reduce-scattered (and all-reduced) in, ``fp32`` or ``bf16``."""
     shard_group_size: Optional[int] = None
     """Hybrid sharded: shard over this many consecutive ranks (default: the ranks of each node)."""
+    shard_fractions: Optional[tuple[float, ...]] = None
+    """Fully sharded: each rank's share of the sharded state, by rank (``None``: equal shares)."""
     ddp_comm_hook: str = "none"
     """Replicated: one of :data:`COMM_HOOKS` (``none``: DDP's own exact all-reduce)."""
     powersgd_rank: int = 1
@@ -50,6 +66,7 @@ class ParallelConfig:
         return cls(args.ddp_backend, args.zero_sharding, args.zero_shard_weights, not args.no_reshard_after_forward,
                    args.find_unused_parameters, args.bucket_cap_mb, args.outer_interval, args.outer_lr,
                    args.outer_momentum, reduce_dtype=args.reduce_dtype, shard_group_size=args.shard_group_size,
+                   shard_fractions=parse_shard_fractions(args.shard_fractions),
                    ddp_comm_hook=args.ddp_comm_hook, powersgd_rank=args.powersgd_rank,
                    powersgd_start_update=args.powersgd_start_update)
 
@@ -79,5 +96,6 @@ class ParallelConfig:
                 "--zero-shard-weights": self.zero_shard_weights, "--outer-interval": self.outer_interval,
                 "--outer-lr": self.outer_lr, "--outer-momentum": self.outer_momentum,
                 "--reduce-dtype": self.reduce_dtype, "--shard-group-size": self.shard_group_size,
+                "--shard-fractions": self.shard_fractions,
                 "--ddp-comm-hook": self.ddp_comm_hook, "--powersgd-rank": self.powersgd_rank,
                 "--powersgd-start-update": self.powersgd_start_update}
