@@ -103,6 +103,22 @@ class BertLMHead(nn.Module):
         return F.linear(self.norm(self.activation(self.transform(hidden))), self.weight, self.bias)
 
 
+def encode(embeddings: BertEmbeddings, layers: nn.ModuleList, input_ids: torch.Tensor,
+           token_type_ids: torch.Tensor | None, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """The encoder's last hidden states ``(batch, length, hidden)``: ``embeddings`` then each of ``layers``.
+
+    ``token_type_ids`` ``None`` is segment 0 everywhere; ``attention_mask`` is true on real tokens
+    (``None``: no padding).
+    """
+    if token_type_ids is None:
+        token_type_ids = torch.zeros_like(input_ids)
+    mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
+    hidden = embeddings(input_ids, token_type_ids)
+    for layer in layers:
+        hidden = layer(hidden, mask)
+    return hidden
+
+
 @register_model("bert")
 class BertModel(HetfairModel):
     """BERT for pretraining: masked LM, plus next-sentence prediction when ``nsp``.
@@ -223,12 +239,7 @@ class BertModel(HetfairModel):
                 positions and ``mlm_logits`` is ``(n_masked, vocab)`` in row-major order.
                 ``None`` scores every position: ``(batch, length, vocab)``.
         """
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
-        hidden = self.embeddings(input_ids, token_type_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, mask)
+        hidden = encode(self.embeddings, self.layers, input_ids, token_type_ids, attention_mask)
         output = {"mlm_logits": self.lm_head(hidden if masked_tokens is None else hidden[masked_tokens])}
         if self.nsp:
             output["nsp_logits"] = self.nsp_head(torch.tanh(self.pooler(hidden[:, 0])))

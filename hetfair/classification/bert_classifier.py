@@ -25,7 +25,7 @@ from torch import nn
 from hetfair.bert.config import BertConfig, config_from_file
 from hetfair.bert.hf import CONFIG_FILE, SAFETENSORS_FILE, from_hf_state_dict, read_hf_directory, to_hf_config, \
     to_hf_state_dict
-from hetfair.bert.model import HYPER_PARAMETERS, BertEmbeddings, BertLayer, BertModel, bert_base, bert_tiny
+from hetfair.bert.model import HYPER_PARAMETERS, BertEmbeddings, BertLayer, BertModel, bert_base, bert_tiny, encode
 from hetfair.checkpoint import load_checkpoint, model_weights, stored_config
 from hetfair.classification.tokenizer_source import pretraining_options
 from hetfair.errors import ConfigError
@@ -105,12 +105,7 @@ class BertClassifier(HetfairModel):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 token_type_ids: torch.Tensor | None = None) -> torch.Tensor:
         """``logits[B, num_classes]`` of ``input_ids[B, T]``; ``attention_mask`` is 1 on real tokens."""
-        if token_type_ids is None:
-            token_type_ids = torch.zeros_like(input_ids)
-        mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
-        hidden = self.embeddings(input_ids, token_type_ids)
-        for layer in self.layers:
-            hidden = layer(hidden, mask)
+        hidden = encode(self.embeddings, self.layers, input_ids, token_type_ids, attention_mask)
         return self.classifier(self.dropout(torch.tanh(self.pooler(hidden[:, 0]))))
 
     def export_hf(self, outdir: str, task: "Task") -> str:

@@ -9,43 +9,32 @@ class 1 (the positive class), never averaged from per-batch F1s. ``loss`` is in 
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
-import torch.nn.functional as F
-from torch import nn
 
 from hetfair.criteria import register_criterion
-from hetfair.criteria.criterion import HetfairCriterion, LoggingOutput
+from hetfair.criteria.criterion import LoggingOutput
+from hetfair.criteria.cross_entropy import CrossEntropyCriterion
 
 POSITIVE = 1
 """The class index F1 counts as positive (of two classes)."""
 
 
 @register_criterion("sentence_classification")
-class SentenceClassificationCriterion(HetfairCriterion):
-    """``loss = sum_i -log p(target_i)``; ``sample_size`` = number of sentences."""
+class SentenceClassificationCriterion(CrossEntropyCriterion):
+    """``loss = sum_i -log p(target_i)``; ``sample_size`` = number of sentences; with two classes also the
+    counts F1 is made of."""
 
-    def forward(self, model: nn.Module, sample: dict[str, Any]) -> tuple[torch.Tensor, int, LoggingOutput]:
-        logits = model(**sample["net_input"]).float()  # softmax and loss in fp32, also under autocast
-        target = sample["target"]
-        loss = F.cross_entropy(logits, target, reduction="sum")
-        predicted = logits.argmax(dim=-1)
-        stats = {"loss": loss.detach(), "correct": (predicted == target).sum()}
+    def counts(self, logits: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        counts = super().counts(logits, predicted, target)
         if logits.shape[-1] == 2:
-            stats["true_positives"] = ((predicted == POSITIVE) & (target == POSITIVE)).sum()
-            stats["false_positives"] = ((predicted == POSITIVE) & (target != POSITIVE)).sum()
-            stats["false_negatives"] = ((predicted != POSITIVE) & (target == POSITIVE)).sum()
-        # One device-to-host copy for all statistics.
-        logging_output = dict(zip(stats, torch.stack([v.double() for v in stats.values()]).tolist()))
-        logging_output["nsentences"] = float(sample["nsentences"])
-        logging_output["ntokens"] = float(sample["ntokens"])
-        return loss, int(target.numel()), logging_output
+            counts["true_positives"] = ((predicted == POSITIVE) & (target == POSITIVE)).sum()
+            counts["false_positives"] = ((predicted == POSITIVE) & (target != POSITIVE)).sum()
+            counts["false_negatives"] = ((predicted != POSITIVE) & (target == POSITIVE)).sum()
+        return counts
 
     @staticmethod
     def reduce_metrics(logs: LoggingOutput) -> dict[str, float]:
-        sentences = max(logs.get("sample_size", 0.0), 1.0)
-        metrics = {"loss": logs.get("loss", 0.0) / sentences, "accuracy": 100.0 * logs.get("correct", 0.0) / sentences}
+        metrics = CrossEntropyCriterion.reduce_metrics(logs)
         if "true_positives" in logs:
             tp, fp, fn = logs["true_positives"], logs.get("false_positives", 0.0), logs.get("false_negatives", 0.0)
             metrics["f1"] = 100.0 * 2 * tp / (2 * tp + fp + fn) if tp + fp + fn else 0.0
