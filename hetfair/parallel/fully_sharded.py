@@ -21,6 +21,7 @@ from torch import nn
 from hetfair.errors import ConfigError
 from hetfair.parallel import register_strategy
 from hetfair.parallel.config import ParallelConfig
+from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
@@ -58,10 +59,34 @@ class FullyShardedStrategy(Strategy):
         if world_size < 2:
             raise ConfigError(f"--ddp-backend {config.ddp_backend} needs more than one process "
                               f"(--distributed-world-size N)")
+        fractions = config.shard_fractions
+        if fractions is not None and len(fractions) != world_size:
+            raise ConfigError(f"--shard-fractions has {len(fractions)} values but the job has {world_size} processes; "
+                              f"give one per rank")
+
+    @classmethod
+    def variant(cls, config: ParallelConfig) -> type[Strategy]:
+        """With ``--shard-fractions``, hetfair's uneven engine (FSDP2 shards only evenly); else FSDP2."""
+        if config.shard_fractions is None:
+            return cls
+        from hetfair.parallel.uneven_sharded import UnevenShardedStrategy
+
+        return UnevenShardedStrategy
+
+    def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
+        super().__init__(config, context)
+        if config.offload:
+            raise ConfigError(f"--offload 1 (rank {context.rank}) needs hetfair's uneven engine: give "
+                              f"--shard-fractions (equal ones too) or --memory-budget on every rank")
+        self._unit_bytes: list[int] = []
 
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
+        self._unit_bytes = _unit_bytes(model, units)
         _fsdp().shard_model(model, units, self.config.reshard_after_forward, REDUCE_DTYPES[self.config.reduce_dtype],
                             self.device_mesh())
+
+    def largest_gathered_unit_bytes(self) -> int:
+        return max(self._unit_bytes, default=0)
 
     def device_mesh(self) -> Optional["DeviceMesh"]:
         """The mesh the model is sharded over (``None``: all ranks, one dimension)."""
@@ -106,3 +131,14 @@ class FullyShardedStrategy(Strategy):
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   params: Sequence[nn.Parameter], state: dict[str, Any]) -> None:
         _fsdp().load_full_optimizer_state_dict(model, optimizer, params, state)
+
+
+def _unit_bytes(model: nn.Module, units: Sequence[nn.Module]) -> list[int]:
+    """The full parameter bytes of each unit, then of the rest of the model (the root unit)."""
+    seen: set[int] = set()
+    sizes = []
+    for module in [*units, model]:
+        params = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        sizes.append(sum(p.numel() * p.element_size() for p in params))
+    return sizes
