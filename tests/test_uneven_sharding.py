@@ -12,15 +12,18 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from helpers import final_parameters, free_port, node_commands, rank_flags, run_nodes
 from hetfair.checkpoint import load_checkpoint
 from hetfair.errors import ConfigError
-from hetfair.parallel import ParallelConfig, build_strategy
+from hetfair.parallel import ParallelConfig, Strategy, build_strategy
 from hetfair.parallel.context import DistributedContext
 from hetfair.models.deferred_init import build_deferred
+from hetfair.parallel.fully_sharded import unit_bytes
 from hetfair.parallel.uneven_shards import UnevenShardedModel, shard_bounds
 from hetfair_cli.train import main as train_main
 from test_zero_sharding import ADAM, adam_reference, assert_same_optimizer_state
@@ -68,7 +71,7 @@ def shard_record(stderr: str) -> dict[str, float]:
 
 def test_uneven_fp16_skips_the_same_overflowing_updates_as_replicated_ranks(tmp_path):
     """Each rank sees only its gradient shards; the ranks must agree on every overflow, as DDP ranks do."""
-    fp16 = ("--fp16", "--fp16-init-scale", str(2**18), "--fp16-scale-window", "3", "--max-update", "12",
+    fp16 = ("--fp16", "--fp16-init-scale", str(2**18), "--fp16-scale-window", "3", "--max-update", "6",
             "--max-epoch", "0")
     run_uneven(tmp_path, tmp_path / "sharded", [8, 24], "1,3", fp16)
     init = f"tcp://127.0.0.1:{free_port()}"
@@ -186,3 +189,58 @@ def test_gathered_units_are_freed_after_forward_and_after_backward(one_process_g
     for (name, expected), shard in zip(plain.named_parameters(), model.parameters()):
         torch.testing.assert_close(shard.grad, expected.grad.reshape(-1), msg=name)
 
+
+
+def test_gathered_unit_sizes_are_each_units_full_parameters(one_process_group):
+    """What the memory table reads: the largest unit gathered whole, FSDP2's and the uneven engine's alike."""
+    layer, root = 4 * (6 * 6 + 6 + 6 + 6), 4 * (6 * 2 + 2)  # fp32 Linear(6, 6) + LayerNorm(6); the last Linear
+    plain = blocks()
+    assert unit_bytes(plain, list(plain)[:3]) == [layer, layer, layer, root]
+    model = build_deferred(blocks)
+    engine = UnevenShardedModel(model, list(model)[:3], (1.0,), 0, torch.device("cpu"), torch.device("cpu"), True,
+                                None)
+    assert [unit.full_bytes for unit in engine.units] == [layer, layer, layer, root]
+
+
+def test_held_state_is_what_the_rank_keeps_of_params_grads_and_optimizer_state():
+    model = nn.Linear(4, 3)
+    optimizer = torch.optim.Adam(model.parameters())
+    model(torch.ones(2, 4)).sum().backward()
+    optimizer.step()
+    strategy = Strategy(ParallelConfig(), DistributedContext(rank=0, world_size=1, local_rank=0,
+                                                             device=torch.device("cpu")))
+    weights = 4 * (4 * 3 + 3)  # fp32 bytes of the weight and bias
+    assert strategy.held_state_bytes(optimizer) == {"params": weights, "grads": weights,
+                                                    "optimizer": 2 * weights + 2 * 4}  # moments; two fp32 steps
+    assert strategy.largest_gathered_unit_bytes() == 0  # unsharded: nothing is gathered, all is held
+
+
+def _checkpointing_worker(rank: int, init_file: str, out_dir: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    torch.set_num_threads(1)
+    try:
+        model = blocks()
+        if rank == 0:  # this rank only recomputes its units' forward in the backward (--activation-checkpointing 1,0)
+            for index in range(3):
+                model[index] = checkpoint_wrapper(model[index])
+        engine = UnevenShardedModel(model, list(model)[:3], (0.25, 0.75), rank, torch.device("cpu"),
+                                    torch.device("cpu"), True, None)
+        torch.manual_seed(1 + rank)
+        model(torch.randn(5, 6)).square().sum().backward()
+        torch.save({engine.param_of[id(shard)].name.replace("._checkpoint_wrapped_module", ""): shard.grad
+                    for shard in model.parameters()}, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_that_checkpoint_activations_gather_with_ranks_that_do_not(tmp_path):
+    """A rank recomputing its units' forward gathers each unit once in the backward, as the others do: no hang,
+    and the gradients are plain autograd's over both ranks' inputs."""
+    mp.spawn(_checkpointing_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2)
+    plain = blocks()
+    for rank in range(2):
+        torch.manual_seed(1 + rank)
+        plain(torch.randn(5, 6)).square().sum().backward()
+    grads = [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    for name, param in plain.named_parameters():
+        torch.testing.assert_close(torch.cat([grads[0][name], grads[1][name]]), param.grad.reshape(-1), msg=name)

@@ -55,7 +55,7 @@ class FullyShardedStrategy(ShardedGradientsStrategy):
         self._unit_bytes: list[int] = []
 
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
-        self._unit_bytes = _unit_bytes(model, units)
+        self._unit_bytes = unit_bytes(model, units)
         _fsdp().shard_model(model, units, self.config.reshard_after_forward, REDUCE_DTYPES[self.config.reduce_dtype],
                             self.device_mesh())
 
@@ -96,7 +96,7 @@ class FullyShardedStrategy(ShardedGradientsStrategy):
         _fsdp().load_full_optimizer_state_dict(model, optimizer, params, state)
 
 
-def _unit_bytes(model: nn.Module, units: Sequence[nn.Module]) -> list[int]:
+def unit_bytes(model: nn.Module, units: Sequence[nn.Module]) -> list[int]:
     """The full parameter bytes of each unit, then of the rest of the model (the root unit)."""
     seen: set[int] = set()
     sizes = []

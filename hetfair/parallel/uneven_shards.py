@@ -227,8 +227,10 @@ class UnevenShardedModel:
             unit = ShardedUnit(params, rank, world_size, compute_device, reshard, reduce_dtype)
             self.units.append(unit)
             if params:
-                module.register_forward_pre_hook(self._before_forward(unit))
-                module.register_forward_hook(self._after_forward(unit), always_call=True)
+                # a checkpoint wrapper recomputes its inner module's forward: the hooks gather for that one too
+                computes = getattr(module, "_checkpoint_wrapped_module", module)
+                computes.register_forward_pre_hook(self._before_forward(unit))
+                computes.register_forward_hook(self._after_forward(unit), always_call=True)
         self._saved = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         model.register_forward_pre_hook(lambda *_: self._saved.__enter__(), prepend=True)
         model.register_forward_hook(lambda *_: self._saved.__exit__(None, None, None), always_call=True)
