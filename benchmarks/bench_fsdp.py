@@ -8,7 +8,7 @@ hidden) whose training state fits a per-rank budget. ``uneven`` is fully sharded
 hetfair's uneven engine with equal ``--shard-fractions``: FSDP2's shares, to compare their cost.
 
     python benchmarks/bench_fsdp.py [--arch bert_base] [--worlds 2,4] [--updates 3] [--budget-gib 1]
-                                    [--modes none,os,fully_sharded,uneven]
+                                    [--modes none,os,fully_sharded,uneven] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -132,13 +132,21 @@ def main() -> None:
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--budget-gib", type=float, default=2.0, help="per-rank budget for training state")
     parser.add_argument("--modes", default=",".join(MODES), help="the modes to measure (none is always measured: the baseline)")
+    parser.add_argument("--rounds", type=int, default=1, help="measure the modes in turn this many times; "
+                                                              "report each one's median update time")
     options = parser.parse_args()
     worlds = [int(w) for w in options.worlds.split(",")]
     modes = ["none", *(mode for mode in options.modes.split(",") if mode in MODES and mode != "none")]
-    rows = {(mode, world): measure(mode, world, options.arch, options.updates) for world in worlds for mode in modes}
+    rows = {}
+    for world in worlds:
+        rounds = [{mode: measure(mode, world, options.arch, options.updates) for mode in modes}  # alternating
+                  for _ in range(options.rounds)]
+        for mode in modes:
+            rows[(mode, world)] = {**rounds[0][mode],
+                                   "update_s": statistics.median(r[mode]["update_s"] for r in rounds)}
     mib = 2**20
     print(f"{options.arch}, Adam, batch {BATCH}x{LENGTH} per rank, gloo on CPU, load {os.getloadavg()[0]:.1f} "
-          f"on {os.cpu_count()} cores; per rank (the fullest one)")
+          f"on {os.cpu_count()} cores; per rank (the fullest one), median update time of {options.rounds} round(s)")
     print(f"{'mode':15s}{'ranks':>6s}{'params MiB':>12s}{'grads MiB':>11s}{'optim MiB':>11s}{'state/unsharded':>17s}"
           f"{'peak RSS MiB':>14s}{'s/update':>10s}")
     for (mode, world), row in rows.items():
