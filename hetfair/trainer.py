@@ -46,7 +46,7 @@ from hetfair.parallel.stats import (
     start_sync_stats,
     sum_logs,
 )
-from hetfair.errors import CheckpointError, DivergenceError, first_line
+from hetfair.errors import CheckpointError, ConfigError, DivergenceError, first_line
 from hetfair.models import HetfairModel
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY, LRScheduler
 from hetfair.parallel import ParallelConfig, Strategy, build_strategy
@@ -115,6 +115,8 @@ class Trainer:
         """The job's loss scale (every rank holds one when any rank runs fp16), else ``None``."""
         self.context = context
         self.strategy = strategy or build_strategy(ParallelConfig(), context)
+        if config.compile and self.strategy.compile_refusal:
+            raise ConfigError(self.strategy.compile_refusal)
         self.criterion = criterion.to(context.device)
         # shard first, then move only this rank's part (a sharded model need not fit the device whole)
         self.strategy.shard(model, model.sharding_units() if isinstance(model, HetfairModel) else [])

@@ -138,13 +138,16 @@ def test_flags_that_cannot_work_are_one_line(tmp_path, capsys, flags, message):
     assert code == 2 and len(err) == 1 and message in err[0], err
 
 
-def test_offload_on_a_cpu_device_is_one_line(tmp_path):
+@pytest.mark.parametrize("flags, message", [
+    (["--offload", "1,0"], "--offload 1 keeps rank 0's shards in host memory for a CUDA device"),
+    (["--compile"], "--compile cannot trace the uneven engine's gather hooks"),
+], ids=["offload-on-cpu", "compile"])
+def test_what_a_rank_cannot_run_is_one_line(tmp_path, flags, message):
     command = toy_train_args(tmp_path / "ckpt", 1, ("--ddp-backend", "fully_sharded", "--shard-fractions", "1,3",
-                                                    "--offload", "1,0"))
+                                                    *flags))
     [result] = run_nodes([command + ["--distributed-world-size", "2", "--max-sentences", "8"]], cwd=tmp_path)
     err = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(err) == 1, err
-    assert "--offload 1 keeps rank 0's shards in host memory for a CUDA device" in err[0], err
+    assert result.returncode == 2 and len(err) == 1 and message in err[0], err
 
 
 def test_offload_without_fractions_names_the_engine_it_needs():

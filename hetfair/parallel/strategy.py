@@ -29,6 +29,8 @@ class Strategy:
 
     takes_comm_hook: ClassVar[bool] = False
     """Whether the mode honours ``--ddp-comm-hook`` (others refuse it at option parsing)."""
+    compile_refusal: ClassVar[Optional[str]] = None
+    """Why ``--compile`` cannot trace the mode's model, as the one-line error the trainer gives (``None``: it can)."""
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         self.check_world(config, context.world_size)

@@ -35,6 +35,9 @@ from hetfair.parallel.uneven_shards import UnevenShardedModel, gather_param
 class UnevenShardedStrategy(ShardedGradientsStrategy):
     """Each rank keeps its ``--shard-fractions`` share of every parameter, its gradient and optimizer state."""
 
+    compile_refusal = ("--compile cannot trace the uneven engine's gather hooks (--shard-fractions or budgets): "
+                       "drop --compile, or the fractions to shard evenly on FSDP2")
+
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         super().__init__(config, context)
         if config.offload and context.device.type != "cuda":
