@@ -46,7 +46,7 @@ from hetfair.parallel.stats import (
     start_sync_stats,
     sum_logs,
 )
-from hetfair.errors import CheckpointError, DivergenceError, first_line
+from hetfair.errors import CheckpointError, ConfigError, DivergenceError, first_line
 from hetfair.models import HetfairModel
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY, LRScheduler
 from hetfair.parallel import ParallelConfig, Strategy, build_strategy
@@ -115,10 +115,12 @@ class Trainer:
         """The job's loss scale (every rank holds one when any rank runs fp16), else ``None``."""
         self.context = context
         self.strategy = strategy or build_strategy(ParallelConfig(), context)
+        if config.compile and self.strategy.compile_refusal:
+            raise ConfigError(self.strategy.compile_refusal)
         self.criterion = criterion.to(context.device)
         # shard first, then move only this rank's part (a sharded model need not fit the device whole)
         self.strategy.shard(model, model.sharding_units() if isinstance(model, HetfairModel) else [])
-        self.model = model.to(context.device)
+        self.model = self.strategy.to_device(model)
         if config.compile:
             compile_model(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -254,7 +256,7 @@ class Trainer:
         if self.loss_scaler is None:
             torch._foreach_mul_(local, factor)
             return False
-        device = self.context.device
+        device = local[0].device if local else self.context.device  # an offloaded shard's: the CPU
         found_inf = torch.zeros(1, device=device)
         inverse_scale = torch.full((1,), factor / self.loss_scaler.scale, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(local, found_inf, inverse_scale)

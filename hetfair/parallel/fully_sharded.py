@@ -15,19 +15,17 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, ContextManager, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hetfair.errors import ConfigError
 from hetfair.parallel import register_strategy
 from hetfair.parallel.config import ParallelConfig
+from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.sharded_gradients import REDUCE_DTYPES, ShardedGradientsStrategy
 from hetfair.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-REDUCE_DTYPES: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16}
-"""``--reduce-dtype``: the dtype FSDP2 reduces gradients in (``None``: their own, fp32)."""
 
 
 def _fsdp() -> ModuleType:
@@ -37,43 +35,36 @@ def _fsdp() -> ModuleType:
 
 
 @register_strategy("fully_sharded")
-class FullyShardedStrategy(Strategy):
+class FullyShardedStrategy(ShardedGradientsStrategy):
     """torch's ``fully_shard`` on each of the model's sharding units, then on the model itself."""
 
     @classmethod
-    def check_options(cls, config: ParallelConfig) -> None:
-        if config.zero_sharding != "none" or config.zero_shard_weights is not None:
-            raise ConfigError(f"--ddp-backend {config.ddp_backend} already shards the optimizer state; "
-                              f"drop --zero-sharding")
-        if config.shard_group_size is not None:
-            raise ConfigError("--shard-group-size needs --ddp-backend hybrid_sharded (fully_sharded shards over "
-                              "all ranks)")
-        config.refuse_outer_flags()
-        if config.ddp_comm_hook != "none":
-            raise ConfigError(f"--ddp-comm-hook {config.ddp_comm_hook} is for --ddp-backend c10d; "
-                              f"{config.ddp_backend} reduce-scatters its gradients: use --reduce-dtype bf16 to halve them")
+    def variant(cls, config: ParallelConfig) -> type[Strategy]:
+        """With ``--shard-fractions``, hetfair's uneven engine (FSDP2 shards only evenly); else FSDP2."""
+        if config.shard_fractions is None:
+            return cls
+        from hetfair.parallel.uneven_sharded import UnevenShardedStrategy
 
-    @classmethod
-    def check_world(cls, config: ParallelConfig, world_size: int) -> None:
-        if world_size < 2:
-            raise ConfigError(f"--ddp-backend {config.ddp_backend} needs more than one process "
-                              f"(--distributed-world-size N)")
+        return UnevenShardedStrategy
+
+    def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
+        super().__init__(config, context)
+        if config.offload:
+            raise ConfigError(f"--offload 1 (rank {context.rank}) needs hetfair's uneven engine: give "
+                              f"--shard-fractions (equal ones too) or --memory-budget on every rank")
+        self._unit_bytes: list[int] = []
 
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
+        self._unit_bytes = unit_bytes(model, units)
         _fsdp().shard_model(model, units, self.config.reshard_after_forward, REDUCE_DTYPES[self.config.reduce_dtype],
                             self.device_mesh())
+
+    def largest_gathered_unit_bytes(self) -> int:
+        return max(self._unit_bytes, default=0)
 
     def device_mesh(self) -> Optional["DeviceMesh"]:
         """The mesh the model is sharded over (``None``: all ranks, one dimension)."""
         return None
-
-    @property
-    def joins_every_micro_batch(self) -> bool:
-        return True  # every forward and backward gathers parameters
-
-    @property
-    def holds_full_gradients(self) -> bool:
-        return False
 
     def gradient_sync(self, wrapped: nn.Module, is_last: bool) -> ContextManager[Any]:
         _fsdp().set_gradient_sync(wrapped, is_last)
@@ -81,9 +72,6 @@ class FullyShardedStrategy(Strategy):
 
     def local_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return _fsdp().local_tensors(tensors)
-
-    def agree_on_overflow(self, found_inf: torch.Tensor) -> None:
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
 
     def clip_grad_norm(self, params: Sequence[nn.Parameter], grads: list[torch.Tensor], owed: float,
                        clip_norm: float) -> tuple[float, float]:
@@ -106,3 +94,14 @@ class FullyShardedStrategy(Strategy):
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   params: Sequence[nn.Parameter], state: dict[str, Any]) -> None:
         _fsdp().load_full_optimizer_state_dict(model, optimizer, params, state)
+
+
+def unit_bytes(model: nn.Module, units: Sequence[nn.Module]) -> list[int]:
+    """The full parameter bytes of each unit, then of the rest of the model (the root unit)."""
+    seen: set[int] = set()
+    sizes = []
+    for module in [*units, model]:
+        params = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        sizes.append(sum(p.numel() * p.element_size() for p in params))
+    return sizes
