@@ -102,11 +102,6 @@ class _Storage:
                 _drawing(op.rng_state, op.generator, lambda: op.func(target, *op.args, **op.kwargs))
         return tensor
 
-    def scratch(self) -> torch.Tensor:
-        """An uninitialised CPU tensor of this storage's layout."""
-        size, stride, _ = self.geometry
-        return torch.empty_strided(size, stride, dtype=self.dtype, device=_CPU)
-
 
 def _drawing(state: Optional[torch.Tensor], generator: Optional[torch.Generator], run: Callable[[], Any]) -> Any:
     """``run()`` with the generator at ``state`` (``None``: as it is), then the generator put back."""
@@ -143,6 +138,18 @@ class _Recorder:
     def __init__(self) -> None:
         self.storages: dict[StorageWeakRef, _Storage] = {}
         self.inside_init = 0  # > 0 while an nn.init function runs: its own aten ops are part of it
+        self.scratch_memory = torch.UntypedStorage(0, device=_CPU)
+
+    def scratch(self, storage: _Storage) -> torch.Tensor:
+        """An uninitialised CPU tensor of ``storage``'s layout, for an operation to advance the generator on.
+        One block of memory serves them all, grown to the largest: allocating and freeing one per operation
+        would leave the small allocations in between in the freed holes, and the process's memory growing."""
+        size, stride, _ = storage.geometry
+        needed = torch.empty_strided(size, stride, dtype=storage.dtype, device="meta").untyped_storage().nbytes()
+        if self.scratch_memory.nbytes() < needed:
+            self.scratch_memory = torch.UntypedStorage(0, device=_CPU)  # the smaller block goes before the larger one comes
+            self.scratch_memory = torch.UntypedStorage(needed, device=_CPU)
+        return torch.empty(0, dtype=storage.dtype, device=_CPU).set_(self.scratch_memory, 0, size, stride)
 
     def add_storage(self, tensor: torch.Tensor, factory: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> None:
@@ -200,12 +207,14 @@ class _Recorder:
             return
         op = _Op(func, _geometry(target), args, kwargs)
         if draws is not False:
-            generator = kwargs.get("generator") or torch.default_generator
+            op.generator = kwargs.get("generator")
+            generator = op.generator or torch.default_generator
             before = generator.get_state()
             with torch.no_grad():
-                func(storage.scratch().as_strided(*op.geometry), *args, **kwargs)  # advances the generator
-            if draws or not torch.equal(before, generator.get_state()):
-                op.rng_state, op.generator = before, kwargs.get("generator")
+                func(self.scratch(storage).as_strided(*op.geometry), *args, **kwargs)  # advances the generator
+            drew = draws or not torch.equal(before, generator.get_state())
+            if drew:
+                op.rng_state = before
         storage.ops.append(op)
 
 

@@ -59,9 +59,17 @@ class FullyShardedStrategy(Strategy):
             raise ConfigError(f"--ddp-backend {config.ddp_backend} needs more than one process "
                               f"(--distributed-world-size N)")
 
+    @classmethod
+    def builds_deferred(cls, config: ParallelConfig) -> bool:
+        return True  # each rank materialises its shards only (fsdp.materialise_shards)
+
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
-        _fsdp().shard_model(model, units, self.config.reshard_after_forward, REDUCE_DTYPES[self.config.reduce_dtype],
-                            self.device_mesh())
+        fsdp = _fsdp()
+        deferred = fsdp.deferred_tensors(model)  # before fully_shard replaces the parameters
+        fsdp.shard_model(model, units, self.config.reshard_after_forward, REDUCE_DTYPES[self.config.reduce_dtype],
+                         self.device_mesh())
+        if deferred:
+            fsdp.materialise_shards(model, deferred)
 
     def device_mesh(self) -> Optional["DeviceMesh"]:
         """The mesh the model is sharded over (``None``: all ranks, one dimension)."""

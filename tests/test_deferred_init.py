@@ -1,0 +1,162 @@
+"""The deferred build: the same initial values as a plain build, one tensor at a time, and sharded ranks that
+never hold the whole model (built or restored).
+
+The reference is always a plain build of the same model after the same ``torch.manual_seed``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Callable
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import deferred_worker
+from helpers import free_port
+from hetfair.bert.config import BertConfig
+from hetfair.bert.model import BertModel, bert_tiny
+from hetfair.checkpoint import FORMAT_VERSION, TRAINER
+from hetfair.classification.bert_classifier import BertClassifier
+from hetfair.lm.config import LMConfig
+from hetfair.lm.model import TransformerLM, gpt_tiny
+from hetfair.memory.peak import current_bytes, peak_bytes, reset_peak
+from hetfair.models.deferred_init import build_deferred, full_value
+
+MLP = pytest.importorskip("hetfair_plugin_example.model", reason="pip install -e plugins/hetfair_plugin_example")
+MiB = 2**20
+CPU = torch.device("cpu")
+
+
+class Assorted(nn.Module):
+    """What torch's own modules and nn.init do beyond Linear: buffers, padding rows, trunc_normal_ (a no-op on
+    meta tensors), random factories, ``.data`` views and a slice initialised on its own."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(40)
+        self.embed = nn.Embedding(20, 30, padding_idx=1)
+        self.conv = nn.Conv2d(2, 3, 3)
+        self.table = nn.Parameter(torch.empty(30, 20))
+        nn.init.trunc_normal_(self.table, std=0.02)
+        self.noise = nn.Parameter(torch.randn(5, 7))
+        self.noise.data[0].uniform_(-1, 1)
+        self.register_buffer("steps", torch.tensor([3, 4]))
+
+
+BUILDS: dict[str, Callable[[], nn.Module]] = {
+    "example_mlp": lambda: MLP.ExampleMLP(5, 32, 2),
+    "bert_tiny": lambda: BertModel(BertConfig(vocab_size=300, **bert_tiny()), nsp=True),
+    "bert_classifier": lambda: BertClassifier(BertConfig(vocab_size=300, **bert_tiny()), num_classes=3),
+    "gpt_tiny_learned": lambda: TransformerLM(LMConfig(vocab_size=300, max_positions=32, positions="learned",
+                                                       **_lm(gpt_tiny()))),
+    "gpt_tiny_rotary": lambda: TransformerLM(LMConfig(vocab_size=300, max_positions=32, positions="rotary",
+                                                      **_lm(gpt_tiny()))),
+    "assorted": Assorted,
+}
+
+
+def _lm(arch: dict[str, int]) -> dict[str, int]:
+    return {"embed_dim": arch["decoder_embed_dim"], "layers": arch["decoder_layers"],
+            "attention_heads": arch["decoder_attention_heads"], "ffn_embed_dim": arch["decoder_ffn_embed_dim"]}
+
+
+@pytest.mark.parametrize("name", BUILDS)
+def test_a_deferred_build_replays_the_plain_build_exactly(name):
+    build = BUILDS[name]
+    torch.manual_seed(7)
+    plain = build()
+    plain_rng, plain_next = torch.random.get_rng_state(), torch.rand(4)
+    torch.manual_seed(7)
+    deferred = build_deferred(build)
+    deferred_rng, deferred_next = torch.random.get_rng_state(), torch.rand(4)
+
+    expected, actual = plain.state_dict(keep_vars=True), deferred.state_dict(keep_vars=True)
+    assert list(actual) == list(expected)
+    assert all(tensor.is_meta for tensor in actual.values())  # nothing materialised by the build
+    for key, tensor in expected.items():
+        value = full_value(actual[key])
+        assert value.device == CPU and torch.equal(value, tensor.detach()), key
+    # the generator ends where the plain build leaves it, so what draws next draws the same
+    assert torch.equal(deferred_rng, plain_rng) and torch.equal(deferred_next, plain_next)
+
+
+def test_tied_weights_stay_one_tensor():
+    model = build_deferred(BUILDS["bert_tiny"])
+    assert model.lm_head.weight is model.embeddings.word.weight
+
+
+class Computed(nn.Module):
+    """A parameter computed from another tensor's values: not replayable."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.first = nn.Parameter(torch.randn(4, 3))
+        self.second = nn.Parameter(self.first.detach() * 2)
+
+
+def test_what_cannot_be_replayed_builds_whole_with_one_line(caplog):
+    torch.manual_seed(3)
+    plain = Computed()
+    torch.manual_seed(3)
+    with caplog.at_level(logging.INFO, logger="hetfair.models.deferred_init"):
+        model = build_deferred(Computed)
+    lines = [record.getMessage() for record in caplog.records]
+    assert len(lines) == 1 and lines[0].startswith("memory | the model builds whole: second ")
+    assert not model.second.is_meta
+    assert torch.equal(model.first, plain.first) and torch.equal(model.second, plain.second)
+    assert torch.equal(full_value(model.second), plain.second.detach())
+
+
+def big_mlp() -> nn.Module:
+    return deferred_worker.big_model()  # 144 MiB of fp32 parameters, nine weights of 16 MiB
+
+
+def test_materialising_one_tensor_at_a_time_never_holds_the_model():
+    """A quarter of each weight kept (a rank's shard of four): the peak is that quarter, plus one full weight
+    being replayed and the scratch tensor the build advances the generator with, plus slack."""
+    full_value(next(build_deferred(lambda: nn.Linear(64, 64)).parameters()))  # pages in the code it runs
+    reset_peak(CPU)
+    start = current_bytes(CPU)
+    torch.manual_seed(1)
+    model = build_deferred(big_mlp)
+    shards = []
+    for param in model.parameters():
+        full = full_value(param)
+        shards.append(full[: full.shape[0] // 4].clone())
+        del full
+    grown = peak_bytes(CPU) - start
+    model_bytes = sum(param.numel() * param.element_size() for param in model.parameters())
+    kept = sum(shard.numel() * shard.element_size() for shard in shards)
+    one_tensor = 16 * MiB
+    slack = 16 * MiB  # allocator and interpreter noise
+    assert model_bytes == 144 * MiB
+    assert grown < kept + 2 * one_tensor + slack, f"peak grew {grown / MiB:.1f} MiB"
+    assert kept + 2 * one_tensor + slack < 0.6 * model_bytes  # the bound is well under the whole model
+
+
+def test_a_fully_sharded_rank_builds_and_restores_its_shards_only(tmp_path):
+    """Two FSDP2 ranks: building (deferred) and restoring a checkpoint (memory-mapped) each grow a rank's
+    resident memory by its half of the 144 MiB model plus at most one full weight (16 MiB) and slack, never by
+    the model; the shards equal the plain build's and the checkpoint's halves."""
+    torch.manual_seed(1)
+    plain = big_mlp()
+    saved = {name: torch.randn_like(param) for name, param in plain.state_dict().items()}
+    checkpoint = tmp_path / "checkpoint.pt"
+    torch.save({"format_version": FORMAT_VERSION, TRAINER: {"model": saved}}, checkpoint)
+    mp.spawn(deferred_worker.run_rank, args=(f"tcp://127.0.0.1:{free_port()}", str(checkpoint), str(tmp_path)),
+             nprocs=deferred_worker.WORLD_SIZE, join=True)
+    half, one_tensor, slack = 72 * MiB, 16 * MiB, 24 * MiB
+    for rank in range(deferred_worker.WORLD_SIZE):
+        grown = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())
+        assert grown["built"] < half + 2 * one_tensor + slack, grown
+        assert grown["restored"] < half + one_tensor + slack, grown
+        shards = torch.load(tmp_path / f"rank{rank}.pt")
+        for name, full in plain.state_dict().items():
+            rows = full.shape[0] // deferred_worker.WORLD_SIZE
+            assert torch.equal(shards["initial"][name], full[rank * rows:(rank + 1) * rows]), name
+            assert torch.equal(shards["restored"][name], saved[name][rank * rows:(rank + 1) * rows]), name
