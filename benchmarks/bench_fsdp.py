@@ -1,12 +1,14 @@
 """Per-rank memory of data parallel (none), ZeRO-1 (os) and fully sharded (FSDP2) BERT training.
 
-For each mode and world size, real gloo processes build hetfair's Trainer around BERT and run
+For each mode and world size, real gloo processes build hetfair's Trainer around BERT (built as
+hetfair-train builds it: deferred where the strategy asks, so fully sharded ranks materialise their
+shards only; ``fully_sharded_whole`` builds the whole model first, as before) and run
 a few Adam updates on random masked-LM batches; each rank reports the bytes of parameters,
 gradients and optimizer state it holds (its shards only), its peak RSS and the median update
 time. Then, from the measured bytes per parameter of each mode, the largest BERT (layers x
 hidden) whose training state fits a per-rank budget.
 
-    python benchmarks/bench_fsdp.py [--arch bert_base] [--worlds 2,4] [--updates 3] [--budget-gib 1]
+    python benchmarks/bench_fsdp.py [--arch bert_base] [--worlds 2,4] [--updates 3] [--budget-gib 1] [--modes none,...]
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hetfair.bert.criterion import MaskedLmCriterion  # noqa: E402
 from hetfair.bert.model import BertConfig, BertModel, bert_base, bert_large, bert_mini  # noqa: E402
+from hetfair.models.deferred_init import build_deferred  # noqa: E402
 from hetfair.parallel.context import DistributedContext  # noqa: E402
 from hetfair.optim.adam import Adam  # noqa: E402
 from hetfair.optim.lr_scheduler.fixed import FixedSchedule  # noqa: E402
@@ -34,7 +37,7 @@ from hetfair.parallel import ParallelConfig, build_strategy  # noqa: E402
 from hetfair.trainer import Trainer, TrainerConfig  # noqa: E402
 
 ARCHS = {"bert_mini": bert_mini, "bert_base": bert_base, "bert_large": bert_large}
-MODES = ("none", "os", "fully_sharded")
+MODES = ("none", "os", "fully_sharded_whole", "fully_sharded")
 VOCAB, LENGTH, BATCH = 30522, 64, 2
 
 
@@ -65,11 +68,16 @@ def worker(rank: int, world: int, port: int, mode: str, arch: str, updates: int,
     options = argparse.Namespace(lr=1e-4, weight_decay=0.0, adam_betas="(0.9, 0.999)", adam_eps=1e-8,
                                  warmup_updates=0, lr_scheduler="fixed", force_anneal=None, lr_shrink=0.1)
     torch.manual_seed(0)
-    model = BertModel(BertConfig(vocab_size=VOCAB, **ARCHS[arch](), hidden_dropout_prob=0.0,
-                                 attention_probs_dropout_prob=0.0))
-    parallel = ParallelConfig("fully_sharded" if mode == "fully_sharded" else "c10d",
+    parallel = ParallelConfig("fully_sharded" if mode.startswith("fully_sharded") else "c10d",
                               zero_sharding="os" if mode == "os" else "none")
     strategy = build_strategy(parallel, context)
+
+    def build() -> BertModel:
+        return BertModel(BertConfig(vocab_size=VOCAB, **ARCHS[arch](), hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0))
+
+    deferred = type(strategy).builds_deferred(parallel) and mode != "fully_sharded_whole"
+    model = build_deferred(build) if deferred else build()
     trainer = Trainer(TrainerConfig(optimizer="adam"), model, MaskedLmCriterion(None), context, batch(0),
                       optimizer_factory=lambda params: strategy.build_optimizer(Adam, options, params),
                       lr_scheduler_factory=lambda optimizer: FixedSchedule(options, optimizer), strategy=strategy)
@@ -126,29 +134,31 @@ def main() -> None:
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--budget-gib", type=float, default=2.0, help="per-rank budget for training state")
+    parser.add_argument("--modes", default=",".join(MODES), help="the modes to run ('none' first: the reference)")
     options = parser.parse_args()
     worlds = [int(w) for w in options.worlds.split(",")]
-    rows = {(mode, world): measure(mode, world, options.arch, options.updates) for world in worlds for mode in MODES}
+    modes = options.modes.split(",")
+    rows = {(mode, world): measure(mode, world, options.arch, options.updates) for world in worlds for mode in modes}
     mib = 2**20
     print(f"{options.arch}, Adam, batch {BATCH}x{LENGTH} per rank, gloo on CPU, load {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} cores; per rank (the fullest one)")
-    print(f"{'mode':15s}{'ranks':>6s}{'params MiB':>12s}{'grads MiB':>11s}{'optim MiB':>11s}{'state/unsharded':>17s}"
+    print(f"{'mode':20s}{'ranks':>6s}{'params MiB':>12s}{'grads MiB':>11s}{'optim MiB':>11s}{'state/unsharded':>17s}"
           f"{'peak RSS MiB':>14s}{'s/update':>10s}")
     for (mode, world), row in rows.items():
         state = row["params"] + row["grads"] + row["optimizer"]
         base = rows[("none", world)]
         unsharded = base["params"] + base["grads"] + base["optimizer"]
-        print(f"{mode:15s}{world:6d}{row['params'] / mib:12.1f}{row['grads'] / mib:11.1f}"
+        print(f"{mode:20s}{world:6d}{row['params'] / mib:12.1f}{row['grads'] / mib:11.1f}"
               f"{row['optimizer'] / mib:11.1f}{state / unsharded:17.3f}{row['peak_rss'] / mib:14.0f}"
               f"{row['update_s']:10.2f}")
     budget = options.budget_gib * 2**30
     print(f"\nlargest BERT whose parameters + gradients + Adam state fit {options.budget_gib:g} GiB per rank "
           f"(bytes per parameter as measured above):")
     for world in worlds:
-        for mode in MODES:
+        for mode in modes:
             row = rows[(mode, world)]
             per_param = (row["params"] + row["grads"] + row["optimizer"]) / row["numel"]
-            print(f"  {mode:15s}{world} ranks: {per_param:5.2f} B/parameter -> {largest_fitting(per_param, budget)}")
+            print(f"  {mode:20s}{world} ranks: {per_param:5.2f} B/parameter -> {largest_fitting(per_param, budget)}")
 
 
 if __name__ == "__main__":

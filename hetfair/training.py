@@ -184,8 +184,9 @@ class TrainingRun:
         return self.task.build_model(self.args)
 
     def _check_criterion(self, model: torch.nn.Module, criterion: torch.nn.Module, dummy: dict[str, Any]) -> None:
-        args = self.args
-        check_criterion_fits(model, criterion, dummy, {"criterion": args.criterion, "task": args.task, "arch": args.arch})
+        """A mismatch of criterion and task is one error line (a trial forward on one sample)."""
+        names = {"criterion": self.args.criterion, "task": self.args.task, "arch": self.args.arch}
+        check_criterion_fits(model, criterion, dummy, names)
 
     def _agree(self) -> JobFacts:
         """The one start-up exchange: every rank's precision and batch sizes; the shared settings checked."""

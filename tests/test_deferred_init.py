@@ -17,15 +17,21 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import deferred_worker
-from helpers import free_port
+from bert_helpers import make_data_dir
+from helpers import free_port, node_commands, run_nodes
+from lm_model_helpers import lm_train_args, make_lm_data
+from toy_reference import toy_train_args
 from hetfair.bert.config import BertConfig
 from hetfair.bert.model import BertModel, bert_tiny
+from hetfair.bert.tokenizer import read_vocab_file
 from hetfair.checkpoint import FORMAT_VERSION, TRAINER
 from hetfair.classification.bert_classifier import BertClassifier
 from hetfair.lm.config import LMConfig
 from hetfair.lm.model import TransformerLM, gpt_tiny
 from hetfair.memory.peak import current_bytes, peak_bytes, reset_peak
 from hetfair.models.deferred_init import build_deferred, full_value
+from hetfair.options import parse_train_args
+from hetfair.tasks import TASK_REGISTRY
 
 MLP = pytest.importorskip("hetfair_plugin_example.model", reason="pip install -e plugins/hetfair_plugin_example")
 MiB = 2**20
@@ -34,7 +40,8 @@ CPU = torch.device("cpu")
 
 class Assorted(nn.Module):
     """What torch's own modules and nn.init do beyond Linear: buffers, padding rows, trunc_normal_ (a no-op on
-    meta tensors), random factories, ``.data`` views and a slice initialised on its own."""
+    meta tensors), random factories, ``.data`` views, a slice initialised on its own, and load_state_dict from
+    tensors made in the build (meta) and outside it (CPU)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -45,6 +52,8 @@ class Assorted(nn.Module):
         nn.init.trunc_normal_(self.table, std=0.02)
         self.noise = nn.Parameter(torch.randn(5, 7))
         self.noise.data[0].uniform_(-1, 1)
+        self.loaded = nn.Linear(3, 2)
+        self.loaded.load_state_dict({"weight": torch.arange(6.0).view(2, 3), "bias": torch.ones(2, device="cpu")})
         self.register_buffer("steps", torch.tensor([3, 4]))
 
 
@@ -160,3 +169,57 @@ def test_a_fully_sharded_rank_builds_and_restores_its_shards_only(tmp_path):
             rows = full.shape[0] // deferred_worker.WORLD_SIZE
             assert torch.equal(shards["initial"][name], full[rank * rows:(rank + 1) * rows]), name
             assert torch.equal(shards["restored"][name], saved[name][rank * rows:(rank + 1) * rows]), name
+
+
+def _same_build(build: Callable[[], nn.Module]) -> None:
+    """``build`` deferred gives a plain build's values (both after the same seed)."""
+    torch.manual_seed(5)
+    expected = build().state_dict()
+    torch.manual_seed(5)
+    deferred = build_deferred(build)
+    actual = deferred.state_dict(keep_vars=True)
+    assert list(actual) == list(expected) and all(tensor.is_meta for tensor in actual.values())
+    for key, tensor in expected.items():
+        assert torch.equal(full_value(actual[key]), tensor), key
+
+
+@pytest.mark.parametrize("safe", [True, False], ids=["safetensors", "pytorch_model.bin"])
+def test_bert_from_a_transformers_directory_builds_deferred(tmp_path, safe):
+    """--init-from-hf reads a memory-mapped directory: the deferred model copies its tensors only when
+    materialised; the NSP head it lacks starts from the plain build's random values."""
+    transformers = pytest.importorskip("transformers")
+    data_dir, vocab, _ = make_data_dir(tmp_path, n_docs=20, splits=("train",))
+    config = transformers.BertConfig(vocab_size=len(read_vocab_file(str(vocab))), hidden_size=32,
+                                     num_hidden_layers=2, num_attention_heads=2, intermediate_size=64)
+    directory = tmp_path / "hf"
+    transformers.BertForMaskedLM(config).save_pretrained(directory, safe_serialization=safe)
+    (directory / "vocab.txt").write_text(vocab.read_text(encoding="utf-8"), encoding="utf-8")
+    args = parse_train_args(["--task", "bert", "--data", str(data_dir), "--init-from-hf", str(directory), "--nsp",
+                             "--max-sentences", "4"])
+    task = TASK_REGISTRY.get("bert").setup_task(args)
+    _same_build(lambda: task.build_model(args))
+
+
+def test_a_language_model_from_a_transformers_directory_builds_deferred(tmp_path):
+    """transformers loads the directory on the CPU inside the deferred build (real_tensors); the copies into the
+    model are recorded."""
+    transformers = pytest.importorskip("transformers")
+    data = make_lm_data(tmp_path)
+    args = parse_train_args(lm_train_args(data, tmp_path / "ckpt", "--init-from-hf", str(tmp_path / "hf")))
+    task = TASK_REGISTRY.get(args.task).setup_task(args)
+    config = transformers.GPT2Config(vocab_size=task.vocab_size, n_positions=32, n_embd=32, n_layer=2, n_head=4,
+                                     tie_word_embeddings=True)
+    transformers.GPT2LMHeadModel(config).save_pretrained(tmp_path / "hf")
+    _same_build(lambda: task.build_model(args))
+
+
+def test_a_fully_sharded_run_checks_its_criterion_on_the_sharded_model(tmp_path):
+    """The deferred model has no values before sharding: the trial forward runs after it, on every rank, and a
+    criterion made for another task is still one error line on each."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    commands = node_commands(toy_train_args(tmp_path / "ckpt", None, ("--criterion", "masked_lm")), [4, 4], init,
+                             "--ddp-backend", "fully_sharded")
+    for result in run_nodes(commands, cwd=tmp_path):
+        assert result.returncode != 0
+        assert "error: criterion masked_lm does not fit task toy (model toy_mlp): TypeError: " in result.stderr
+        assert "Traceback" not in result.stderr

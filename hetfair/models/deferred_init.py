@@ -17,9 +17,11 @@ of that shape (freed at once). :func:`full_value` replays one tensor's operation
 saved states: exactly the values a plain build with the same seed gives, and after the
 build the generators are where a plain build leaves them.
 
-What cannot be replayed (a tensor computed from another tensor's values, ``copy_``
-between the model's own tensors, an operation that reads values on meta) makes the build
-fall back to a plain one, with one ``memory | ... builds whole: ...`` line.
+An in-place operation that reads another recorded tensor (``w.copy_(torch.zeros(n))`` in a
+``load_state_dict``) reads it as it was at that point, replayed as far. What cannot be
+replayed (a tensor computed out of place from another tensor's values, ``x * 2``; an
+operation that reads values on meta, ``.item()``) makes the build fall back to a plain one,
+with one ``memory | ... builds whole: ...`` line.
 
 This is the record-and-replay "deferred init" of torchdistx, written here because
 torchdistx is unmaintained and has no build for torch 2.13.
@@ -29,6 +31,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Optional
@@ -92,15 +95,32 @@ class _Storage:
     broken: Optional[str] = None
     """Why its values cannot be replayed (``None``: they can)."""
 
-    def replay(self) -> torch.Tensor:
-        """The storage's tensor as the build left it, made on the CPU."""
+    def replay(self, ops: Optional[int] = None) -> torch.Tensor:
+        """The storage's tensor as the build left it (or after its first ``ops`` operations), made on the CPU."""
         with torch.no_grad():
             tensor = _drawing(self.rng_state, self.generator,
                               lambda: self.factory(*self.args, **{**self.kwargs, "device": _CPU}))
-            for op in self.ops:
+            for op in self.ops[:ops]:
                 target = tensor.as_strided(*op.geometry)
-                _drawing(op.rng_state, op.generator, lambda: op.func(target, *op.args, **op.kwargs))
+                args, kwargs = tree_map(_resolved, (op.args, op.kwargs))
+                _drawing(op.rng_state, op.generator, lambda: op.func(target, *args, **kwargs))
         return tensor
+
+
+@dataclass
+class _Snapshot:
+    """Another recorded tensor's value as an operation read it: its storage after that many of its operations."""
+
+    storage: _Storage
+    ops: int
+    geometry: Geometry
+
+    def value(self) -> torch.Tensor:
+        return self.storage.replay(self.ops).as_strided(*self.geometry)
+
+
+def _resolved(value: Any) -> Any:
+    return value.value() if isinstance(value, _Snapshot) else value
 
 
 def _drawing(state: Optional[torch.Tensor], generator: Optional[torch.Generator], run: Callable[[], Any]) -> Any:
@@ -137,6 +157,8 @@ class _Recorder:
 
     def __init__(self) -> None:
         self.storages: dict[StorageWeakRef, _Storage] = {}
+        self.alive: list[torch.Tensor] = []
+        """The recorded meta tensors, held for the build: a freed storage's address could come back as another's."""
         self.inside_init = 0  # > 0 while an nn.init function runs: its own aten ops are part of it
         self.scratch_memory = torch.UntypedStorage(0, device=_CPU)
 
@@ -147,13 +169,14 @@ class _Recorder:
         size, stride, _ = storage.geometry
         needed = torch.empty_strided(size, stride, dtype=storage.dtype, device="meta").untyped_storage().nbytes()
         if self.scratch_memory.nbytes() < needed:
-            self.scratch_memory = torch.UntypedStorage(0, device=_CPU)  # the smaller block goes before the larger one comes
+            self.scratch_memory = torch.UntypedStorage(0, device=_CPU)  # the smaller block goes first
             self.scratch_memory = torch.UntypedStorage(needed, device=_CPU)
         return torch.empty(0, dtype=storage.dtype, device=_CPU).set_(self.scratch_memory, 0, size, stride)
 
     def add_storage(self, tensor: torch.Tensor, factory: Callable[..., Any], args: tuple[Any, ...],
                     kwargs: dict[str, Any]) -> None:
         kwargs = {name: value for name, value in kwargs.items() if name != "device"}
+        self.alive.append(tensor)
         self.storages[StorageWeakRef(tensor.untyped_storage())] = _Storage(
             factory, args, kwargs, tensor.dtype, _geometry(tensor))
 
@@ -189,6 +212,14 @@ class _Recorder:
             for name, func in originals.items():
                 setattr(nn.init, name, func)
 
+    def snapshot(self, value: Any) -> Any:
+        """A meta tensor an operation reads, as a :class:`_Snapshot` of its value at this point of the build."""
+        if not _is_meta(value):
+            return value
+        storage = self.storage_of(value)
+        assert storage is not None
+        return _Snapshot(storage, len(storage.ops), _geometry(value))
+
     def storage_of(self, tensor: torch.Tensor) -> Optional[_Storage]:
         return self.storages.get(StorageWeakRef(tensor.untyped_storage()))
 
@@ -199,9 +230,16 @@ class _Recorder:
         storage = self.storage_of(target)
         if storage is None or storage.broken:
             return  # a tensor the build made some other way: refused if the model keeps it
-        if any(_is_meta(value) for value in tree_flatten((args, kwargs))[0]):
-            storage.broken = f"{_name(func)} takes another meta tensor's values"
-            return
+        meta_inputs = [value for value in tree_flatten((args, kwargs))[0] if _is_meta(value)]
+        if meta_inputs:
+            if draws is not False:
+                storage.broken = f"{_name(func)} draws random numbers from another meta tensor's values"
+                return
+            sources = [self.storage_of(value) for value in meta_inputs]
+            if any(source is None or source.broken for source in sources):
+                storage.broken = f"{_name(func)} reads a tensor computed from other tensors' values"
+                return
+            args, kwargs = tree_map(self.snapshot, (args, kwargs))
         if target.dtype != storage.dtype:
             storage.broken = f"{_name(func)} writes a view of another dtype"
             return
@@ -286,7 +324,10 @@ def build_deferred(build: Callable[[], nn.Module]) -> nn.Module:
     rng_before = torch.random.get_rng_state()
     recorder = _Recorder()
     try:
-        with recorder.seeing_inits(), torch.device("meta"), _DispatchRecorder(recorder), _FunctionRecorder(recorder):
+        with warnings.catch_warnings(), recorder.seeing_inits(), torch.device("meta"), _DispatchRecorder(recorder), \
+                _FunctionRecorder(recorder):
+            # load_state_dict's copy into a meta parameter is recorded here, not the no-op torch warns of
+            warnings.filterwarnings("ignore", message=".*copying from a non-meta parameter")
             model = build()
         _attach(model, recorder)
         return model
@@ -316,6 +357,15 @@ def _attach(model: nn.Module, recorder: _Recorder) -> None:
     for _, tensor in tensors:
         storage = recorder.storage_of(tensor)
         setattr(tensor, _RECORD, _View(storage, _geometry(tensor)))  # type: ignore[arg-type]
+
+
+@contextmanager
+def real_tensors() -> Iterator[None]:
+    """Inside a :func:`build_deferred` build, make tensors on the CPU as a plain build does: for reading what
+    initialises the model (a Hugging Face directory that ``transformers`` loads), which must not land on the meta
+    device; copying them into the model's parameters is then recorded. Outside a deferred build, a no-op."""
+    with torch.device("cpu"):
+        yield
 
 
 def is_deferred(tensor: torch.Tensor) -> bool:
