@@ -66,7 +66,8 @@ def worker(rank: int, world: int, port: int, mode: str, arch: str, updates: int,
     dist.init_process_group("gloo", rank=rank, world_size=world)
     context = DistributedContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     options = argparse.Namespace(lr=1e-4, weight_decay=0.0, adam_betas="(0.9, 0.999)", adam_eps=1e-8,
-                                 warmup_updates=0, lr_scheduler="fixed", force_anneal=None, lr_shrink=0.1)
+                                 warmup_updates=0, lr_scheduler="fixed", force_anneal=None, lr_shrink=0.1,
+                                 optimizer_impl="auto")
     torch.manual_seed(0)
     parallel = ParallelConfig("fully_sharded" if mode.startswith("fully_sharded") else "c10d",
                               zero_sharding="os" if mode == "os" else "none")
