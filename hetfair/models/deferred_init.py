@@ -335,6 +335,8 @@ def build_deferred(build: Callable[[], nn.Module]) -> nn.Module:
         raise
     except (NotReplayable, RuntimeError, NotImplementedError, TypeError, ValueError) as exc:
         reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    finally:
+        recorder.scratch_memory.resize_(0)  # freed now, whatever still refers to the recorder
     logger.info(f"memory | the model builds whole: {reason} (no deferred build; every rank holds the whole "
                 f"model until it is sharded)")
     torch.random.set_rng_state(rng_before)
