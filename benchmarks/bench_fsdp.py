@@ -1,14 +1,17 @@
 """Per-rank memory of data parallel (none), ZeRO-1 (os), fully sharded (FSDP2) and uneven BERT training.
 
-For each mode and world size, real gloo processes build hetfair's Trainer around BERT and run
+For each mode and world size, real gloo processes build hetfair's Trainer around BERT (built as
+hetfair-train builds it: deferred where the strategy asks, so fully sharded ranks materialise their
+shards only; ``fully_sharded_whole`` builds the whole model first, as before) and run
 a few Adam updates on random masked-LM batches; each rank reports the bytes of parameters,
-gradients and optimizer state it holds (its shards only), its peak RSS and the median update
-time. Then, from the measured bytes per parameter of each mode, the largest BERT (layers x
-hidden) whose training state fits a per-rank budget. ``uneven`` is fully sharded training on
-hetfair's uneven engine with equal ``--shard-fractions``: FSDP2's shares, to compare their cost.
+gradients and optimizer state it holds (its shards only), its peak RSS once the model is built and
+sharded and over the whole run, and the median update time. Then, from the measured bytes per
+parameter of each mode, the largest BERT (layers x hidden) whose training state fits a per-rank
+budget. ``uneven`` is fully sharded training on hetfair's uneven engine with equal
+``--shard-fractions``: FSDP2's shares, to compare their cost.
 
     python benchmarks/bench_fsdp.py [--arch bert_base] [--worlds 2,4] [--updates 3] [--budget-gib 1]
-                                    [--modes none,os,fully_sharded,uneven] [--rounds 1]
+                                    [--modes none,os,fully_sharded_whole,fully_sharded,uneven] [--rounds 1]
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hetfair.bert.criterion import MaskedLmCriterion  # noqa: E402
 from hetfair.bert.model import BertConfig, BertModel, bert_base, bert_large, bert_mini  # noqa: E402
+from hetfair.memory.peak import peak_bytes  # noqa: E402
+from hetfair.models.deferred_init import build_deferred  # noqa: E402
 from hetfair.parallel.context import DistributedContext  # noqa: E402
 from hetfair.optim.adam import Adam  # noqa: E402
 from hetfair.optim.lr_scheduler.fixed import FixedSchedule  # noqa: E402
@@ -36,7 +41,7 @@ from hetfair.parallel import ParallelConfig, build_strategy  # noqa: E402
 from hetfair.trainer import Trainer, TrainerConfig  # noqa: E402
 
 ARCHS = {"bert_mini": bert_mini, "bert_base": bert_base, "bert_large": bert_large}
-MODES = ("none", "os", "fully_sharded", "uneven")
+MODES = ("none", "os", "fully_sharded_whole", "fully_sharded", "uneven")
 VOCAB, LENGTH, BATCH = 30522, 64, 2
 
 
@@ -68,16 +73,22 @@ def worker(rank: int, world: int, port: int, mode: str, arch: str, updates: int,
                                  warmup_updates=0, lr_scheduler="fixed", force_anneal=None, lr_shrink=0.1,
                                  optimizer_impl="auto")
     torch.manual_seed(0)
-    model = BertModel(BertConfig(vocab_size=VOCAB, **ARCHS[arch](), hidden_dropout_prob=0.0,
-                                 attention_probs_dropout_prob=0.0))
-    numel = sum(p.numel() for p in model.parameters())
-    parallel = ParallelConfig("fully_sharded" if mode in ("fully_sharded", "uneven") else "c10d",
+    parallel = ParallelConfig("fully_sharded" if mode.startswith("fully_sharded") or mode == "uneven" else "c10d",
                               zero_sharding="os" if mode == "os" else "none",
                               shard_fractions=(1 / world,) * world if mode == "uneven" else None)
     strategy = build_strategy(parallel, context)
+
+    def build() -> BertModel:
+        return BertModel(BertConfig(vocab_size=VOCAB, **ARCHS[arch](), hidden_dropout_prob=0.0,
+                                    attention_probs_dropout_prob=0.0))
+
+    deferred = type(strategy).builds_deferred(parallel) and mode != "fully_sharded_whole"
+    model = build_deferred(build) if deferred else build()
+    numel = sum(p.numel() for p in model.parameters())  # meta tensors have their sizes too
     trainer = Trainer(TrainerConfig(optimizer="adam"), model, MaskedLmCriterion(None), context, batch(0),
                       optimizer_factory=lambda params: strategy.build_optimizer(Adam, options, params),
                       lr_scheduler_factory=lambda optimizer: FixedSchedule(options, optimizer), strategy=strategy)
+    built_rss = peak_bytes(torch.device("cpu"))  # the peak up to here: building and sharding the model
     times = []
     for step in range(updates):
         start = time.perf_counter()
@@ -88,6 +99,7 @@ def worker(rank: int, world: int, port: int, mode: str, arch: str, updates: int,
     state = [v for s in local_optimizer.state.values() for v in s.values() if torch.is_tensor(v) and v.dim() > 0]
     results[(mode, world, rank)] = {
         "params": local_bytes(trainer.params), "grads": local_bytes(grads), "optimizer": local_bytes(state),
+        "built_rss": built_rss,
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "update_s": statistics.median(times[1:] or times),
         "numel": numel,
@@ -147,14 +159,15 @@ def main() -> None:
     mib = 2**20
     print(f"{options.arch}, Adam, batch {BATCH}x{LENGTH} per rank, gloo on CPU, load {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} cores; per rank (the fullest one), median update time of {options.rounds} round(s)")
-    print(f"{'mode':15s}{'ranks':>6s}{'params MiB':>12s}{'grads MiB':>11s}{'optim MiB':>11s}{'state/unsharded':>17s}"
-          f"{'peak RSS MiB':>14s}{'s/update':>10s}")
+    print(f"{'mode':20s}{'ranks':>6s}{'params MiB':>12s}{'grads MiB':>11s}{'optim MiB':>11s}{'state/unsharded':>17s}"
+          f"{'built RSS MiB':>15s}{'peak RSS MiB':>14s}{'s/update':>10s}")
     for (mode, world), row in rows.items():
         state = row["params"] + row["grads"] + row["optimizer"]
         base = rows[("none", world)]
         unsharded = base["params"] + base["grads"] + base["optimizer"]
-        print(f"{mode:15s}{world:6d}{row['params'] / mib:12.1f}{row['grads'] / mib:11.1f}"
-              f"{row['optimizer'] / mib:11.1f}{state / unsharded:17.3f}{row['peak_rss'] / mib:14.0f}"
+        print(f"{mode:20s}{world:6d}{row['params'] / mib:12.1f}{row['grads'] / mib:11.1f}"
+              f"{row['optimizer'] / mib:11.1f}{state / unsharded:17.3f}{row['built_rss'] / mib:15.0f}"
+              f"{row['peak_rss'] / mib:14.0f}"
               f"{row['update_s']:10.2f}")
     budget = options.budget_gib * 2**30
     print(f"\nlargest BERT whose parameters + gradients + Adam state fit {options.budget_gib:g} GiB per rank "
@@ -163,7 +176,7 @@ def main() -> None:
         for mode in modes:
             row = rows[(mode, world)]
             per_param = (row["params"] + row["grads"] + row["optimizer"]) / row["numel"]
-            print(f"  {mode:15s}{world} ranks: {per_param:5.2f} B/parameter -> {largest_fitting(per_param, budget)}")
+            print(f"  {mode:20s}{world} ranks: {per_param:5.2f} B/parameter -> {largest_fitting(per_param, budget)}")
 
 
 if __name__ == "__main__":

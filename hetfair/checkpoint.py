@@ -164,6 +164,12 @@ def _fsync_dir(directory: Path) -> None:
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Load a checkpoint with ``weights_only=True`` and migrate it to the current format.
 
+    Its tensors are memory-mapped (``mmap=True``, read-only for the file: written pages are the
+    process's own copies): a page is read when something reads it, so a sharded rank that keeps a
+    slice of each tensor reads (and holds) that slice only. Every checkpoint hetfair writes is a
+    ``torch.save`` zip archive, the format ``mmap`` needs, so checkpoints of earlier versions load
+    as they did (and are migrated as below).
+
     Damage, a foreign file or a format from a newer hetfair becomes a :class:`CheckpointError`.
     """
     if not path.is_file():
@@ -172,7 +178,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a hetfair checkpoint: not a torch.save archive (corrupt, truncated "
                               f"or another kind of file)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointError(
             f"checkpoint {path} is corrupt or not a hetfair checkpoint: {_load_failure(exc)}") from exc

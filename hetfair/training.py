@@ -7,7 +7,7 @@ import math
 import signal
 from datetime import timedelta
 from pathlib import Path
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -17,6 +17,8 @@ from hetfair.criteria.fit import check_criterion_fits
 from hetfair.data.epoch_updates import EpochSchedule, EpochUpdates, Update
 from hetfair.data.rank_batches import dummy_batch
 from hetfair.data.update_shape import UpdateShape
+from hetfair.models.deferred_init import build_deferred
+from hetfair.parallel import STRATEGY_REGISTRY
 from hetfair.parallel.comm_advice import CommAdvisor, LinkMeasurement
 from hetfair.parallel.comm_hooks import CommStatePart
 from hetfair.parallel.context import DistributedContext
@@ -34,7 +36,7 @@ from hetfair.run_state import BalancerPart, BatchPart, Position, TrainingClock
 from hetfair.startup import LOSS_SCALE, PARALLELISM, JobFacts, RankFacts, agree_at_start_up
 from hetfair.tasks import TASK_REGISTRY, Task
 from hetfair.trainer import Trainer
-from hetfair.utils import check_output_dir
+from hetfair.utils import check_output_dir, move_to_device
 from hetfair.validation import Validator
 
 
@@ -137,14 +139,18 @@ class TrainingRun:
         seed_everything(config.loop.seed)
         self.task = TASK_REGISTRY.get(args.task).setup_task(args)
         self.train_data = self.task.dataset(config.data.train_subset)
-        model = self.task.build_model(args)
+        model = self._build_model()
         criterion = self.task.build_criterion(args)
         dummy = dummy_batch(self.train_data, self.task.collater)
-        check_criterion_fits(model, criterion, dummy, {"criterion": args.criterion, "task": args.task, "arch": args.arch})
+        deferred = any(param.is_meta for param in model.parameters())  # no values until the strategy shards it
+        if not deferred:
+            self._check_criterion(model, criterion, dummy)
         job = self._agree()
         self.precisions = job.precisions
         self.trainer = Trainer.from_args(args, model, criterion, context, dummy,
                                          job_loss_scaler(job.precisions, config.precision.loss_scale))
+        if deferred:  # every rank runs the trial forward alike (the sharded model's collectives)
+            self._check_criterion(self.trainer.model, self.trainer.criterion, move_to_device(dummy, context.device))
         self.comm = self.trainer.strategy.gradient_comm()
         self.comm_part = CommStatePart(self.comm, self._notice) if self.comm and self.comm.powersgd else None
         self.caps = self._capped_at_dataset(job.train_caps)
@@ -170,6 +176,17 @@ class TrainingRun:
         self.restored_from = self._restore()
         self.comm_advisor = self._measure_link()
         self._announce(model)
+
+    def _build_model(self) -> torch.nn.Module:
+        """The task's model; on the meta device where the strategy materialises only its rank's shards."""
+        if STRATEGY_REGISTRY.get(self.config.parallel.ddp_backend).builds_deferred(self.config.parallel):
+            return build_deferred(lambda: self.task.build_model(self.args))
+        return self.task.build_model(self.args)
+
+    def _check_criterion(self, model: torch.nn.Module, criterion: torch.nn.Module, dummy: dict[str, Any]) -> None:
+        """A mismatch of criterion and task is one error line (a trial forward on one sample)."""
+        names = {"criterion": self.args.criterion, "task": self.args.task, "arch": self.args.arch}
+        check_criterion_fits(model, criterion, dummy, names)
 
     def _agree(self) -> JobFacts:
         """The one start-up exchange: every rank's precision and batch sizes; the shared settings checked."""

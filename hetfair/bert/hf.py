@@ -183,6 +183,8 @@ def init_report(directory: str, source: HfBert, missing: Sequence[str]) -> list[
 
 
 def _read_weights(directory: str) -> dict[str, torch.Tensor]:
+    """The directory's weights, memory-mapped (safetensors maps its file; ``torch.load(mmap=True)``): a tensor is
+    read when it is copied, so a deferred build reads each one only when a rank materialises it."""
     safetensors_path = os.path.join(directory, SAFETENSORS_FILE)
     pytorch_path = os.path.join(directory, PYTORCH_FILE)
     try:
@@ -191,7 +193,7 @@ def _read_weights(directory: str) -> dict[str, torch.Tensor]:
 
             return load_file(safetensors_path)
         if os.path.isfile(pytorch_path):
-            return torch.load(pytorch_path, map_location="cpu", weights_only=True)
+            return torch.load(pytorch_path, map_location="cpu", weights_only=True, mmap=True)
     except ImportError:
         raise ConfigError("reading model.safetensors needs safetensors: pip install 'hetfair[hf]'") from None
     except Exception as exc:  # noqa: BLE001 - any failure to read the weights is a damaged file

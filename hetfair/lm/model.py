@@ -26,6 +26,7 @@ from torch import nn
 from hetfair.errors import ConfigError
 from hetfair.lm.config import ACTIVATIONS, POSITIONS, LMConfig
 from hetfair.models import register_model, register_model_architecture
+from hetfair.models.deferred_init import real_tensors
 from hetfair.models.model import HetfairModel
 
 if TYPE_CHECKING:
@@ -190,7 +191,8 @@ class TransformerLM(HetfairModel):
 
         directory = args.init_from_hf
         check_same_tokenizer(directory, task)
-        source = read_hf_directory(directory, dropout=args.dropout, attention_dropout=args.attention_dropout)
+        with real_tensors():  # transformers builds its model on the CPU, also inside a deferred build
+            source = read_hf_directory(directory, dropout=args.dropout, attention_dropout=args.attention_dropout)
         vocab_size = task.vocab_size  # type: ignore[attr-defined]
         if source.config.vocab_size != vocab_size:
             raise ConfigError(f"--init-from-hf {directory} has a vocabulary of {source.config.vocab_size} tokens but "

@@ -19,6 +19,7 @@ or ZeRO-1 run writes, so any run can resume from any other, on any world size.
 
 from __future__ import annotations
 
+from itertools import chain
 from typing import Any, Optional, Sequence
 
 import torch
@@ -33,9 +34,12 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+from hetfair.models.deferred_init import full_value, is_deferred
 
 _GATHER = StateDictOptions(full_state_dict=True, cpu_offload=True)  # full tensors, on rank 0 only
-_LOAD = StateDictOptions(full_state_dict=True)  # every rank holds the full state and keeps its shard
+_LOAD_SHARDS = StateDictOptions(full_state_dict=False)  # each rank loads its own shards (sliced out of the full state)
 
 
 def shard_model(model: nn.Module, units: Sequence[nn.Module], reshard_after_forward: bool,
@@ -45,6 +49,28 @@ def shard_model(model: nn.Module, units: Sequence[nn.Module], reshard_after_forw
     policy = MixedPrecisionPolicy(reduce_dtype=reduce_dtype)
     for module in [*units, model]:
         fully_shard(module, reshard_after_forward=reshard_after_forward, mesh=mesh, mp_policy=policy)
+
+
+def deferred_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The not yet materialised parameters and buffers of a deferred model (:mod:`hetfair.models.deferred_init`),
+    by name; ``{}`` for a model built whole."""
+    return {name: tensor for name, tensor in chain(model.named_parameters(), model.named_buffers())
+            if is_deferred(tensor)}
+
+
+def materialise_shards(model: nn.Module, sources: dict[str, torch.Tensor]) -> None:
+    """Give a sharded meta model its values on the CPU: each tensor's full value (``sources``: the deferred
+    tensors before sharding) is made once, this rank's shard copied out of it and the rest dropped, so the
+    rank holds its shards and one full tensor at most; buffers (not sharded) are copied whole."""
+    model.to_empty(device="cpu")  # allocates the local shards only
+    with torch.no_grad():
+        for name, tensor in chain(model.named_parameters(), model.named_buffers()):
+            full = full_value(sources[name])
+            if isinstance(tensor, DTensor):
+                tensor.to_local().copy_(_own_slice(full, tensor))
+            else:
+                tensor.copy_(full)
+            del full
 
 
 def hybrid_mesh(device_type: str, layout: list[list[int]]) -> DeviceMesh:
@@ -85,8 +111,30 @@ def full_model_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor]) -> None:
-    """Load an unsharded model state (present on every rank); each rank keeps its shards."""
-    set_model_state_dict(model, state, options=_LOAD)
+    """Load an unsharded model state (present on every rank); each rank keeps its shards.
+
+    Each rank slices its own shard out of each full tensor, with no collective (torch's full-state loader
+    scatters from rank 0, which reads every tensor whole): from a memory-mapped checkpoint
+    (:func:`hetfair.checkpoint.load_checkpoint`) a rank reads only the slices it keeps."""
+    own = get_model_state_dict(model)
+    set_model_state_dict(model, {name: _own_part(value, own.get(name)) for name, value in state.items()},
+                         options=_LOAD_SHARDS)
+
+
+def _own_part(value: Any, like: Any) -> Any:
+    """This rank's shard of the full tensor ``value``, placed as the sharded tensor ``like``: a view of ``value``,
+    nothing copied (anything else: as it is, for torch's loader to check)."""
+    if not isinstance(like, DTensor) or not isinstance(value, torch.Tensor) or value.shape != like.shape:
+        return value
+    return DTensor.from_local(_own_slice(value.detach(), like), like.device_mesh, like.placements, run_check=False,
+                              shape=like.shape, stride=like.stride())
+
+
+def _own_slice(full: torch.Tensor, like: DTensor) -> torch.Tensor:
+    """The view of ``full`` that is this rank's local tensor of ``like``, found as torch's own full-state loader
+    finds it (``distribute_tensor`` would copy it, or scatter it from rank 0)."""
+    shape, offset = compute_local_shape_and_global_offset(full.shape, like.device_mesh, like.placements)
+    return full[tuple(slice(start, start + size) for size, start in zip(shape, offset))]
 
 
 def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
@@ -103,18 +151,21 @@ def full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer
 
 def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Optimizer,
                                    params: Sequence[nn.Parameter], state: dict[str, Any]) -> None:
-    """Load a plain-format optimizer state (present on every rank); each rank keeps its shards."""
+    """Load a plain-format optimizer state (present on every rank); each rank slices its shards out of it, as
+    :func:`load_full_model_state_dict` does."""
     if not state["state"]:
         # nothing to shard (plain SGD keeps no tensors), and torch's loader needs a tensor to find the device
         optimizer.load_state_dict(state)
         return
     names = _names(model, params)
+    by_name = dict(model.named_parameters())
     fqn_state = {
-        "state": {names[int(i)]: value for i, value in state["state"].items()},
+        "state": {names[int(i)]: {key: _own_part(tensor, by_name[names[int(i)]]) for key, tensor in value.items()}
+                  for i, value in state["state"].items()},
         "param_groups": [{**group, "params": [names[int(i)] for i in group["params"]]}
                          for group in state["param_groups"]],
     }
-    set_optimizer_state_dict(model, optimizer, fqn_state, options=_LOAD)
+    set_optimizer_state_dict(model, optimizer, fqn_state, options=_LOAD_SHARDS)
 
 
 def _names(model: nn.Module, params: Sequence[nn.Parameter]) -> list[str]:

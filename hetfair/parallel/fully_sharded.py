@@ -54,10 +54,18 @@ class FullyShardedStrategy(ShardedGradientsStrategy):
                               f"--shard-fractions (equal ones too) or --memory-budget on every rank")
         self._unit_bytes: list[int] = []
 
+    @classmethod
+    def builds_deferred(cls, config: ParallelConfig) -> bool:
+        return True  # each rank materialises its shards only (fsdp.materialise_shards)
+
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
         self._unit_bytes = unit_bytes(model, units)
-        _fsdp().shard_model(model, units, self.config.reshard_after_forward, REDUCE_DTYPES[self.config.reduce_dtype],
-                            self.device_mesh())
+        fsdp = _fsdp()
+        deferred = fsdp.deferred_tensors(model)  # before fully_shard replaces the parameters
+        fsdp.shard_model(model, units, self.config.reshard_after_forward, REDUCE_DTYPES[self.config.reduce_dtype],
+                         self.device_mesh())
+        if deferred:
+            fsdp.materialise_shards(model, deferred)
 
     def largest_gathered_unit_bytes(self) -> int:
         return max(self._unit_bytes, default=0)

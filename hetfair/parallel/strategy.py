@@ -51,10 +51,17 @@ class Strategy:
         """The class that runs this mode with ``config`` (a mode may have more than one engine)."""
         return cls
 
+    @classmethod
+    def builds_deferred(cls, config: ParallelConfig) -> bool:
+        """Whether the run builds its model on the meta device (:func:`hetfair.models.deferred_init.build_deferred`):
+        :meth:`shard` then materialises only this rank's part of each tensor, so no rank holds the whole model."""
+        return False
+
     # -- the model and the optimizer ----------------------------------------------------------
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
         """Split ``model`` over the ranks in place, before it moves to the device; ``units`` are its own
-        sharding units (:meth:`~hetfair.models.HetfairModel.sharding_units`)."""
+        sharding units (:meth:`~hetfair.models.HetfairModel.sharding_units`). A deferred model (where
+        :meth:`builds_deferred`) arrives on the meta device and leaves with values."""
 
     def to_device(self, model: nn.Module) -> nn.Module:
         """``model`` (sharded already) on this process's device: what of it computes there."""
