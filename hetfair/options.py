@@ -283,6 +283,10 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
             type=PerProcessValues(parse_size, "memory_budget", int, "a memory size"),
             help="memory each process may use, e.g. 6G or 6G,20G (one per process of this command); "
                             "the sharded state is split in proportion (default on CUDA: the device's free memory)")
+    _option(group, "--activation-checkpointing", bounds=Bounds(0, 1), default=0, metavar="0|1[,0|1...]",
+            type=PerProcessValues(_whole_number, "activation_checkpointing", int, "0 or 1"),
+            help="1: recompute each sharding unit's activations in the backward instead of keeping them (less "
+                 "memory, one more forward per unit; exact); one value per process of this command, e.g. 1,0")
     group.add_argument("--zero-sharding", choices=("none", "os"), default="none",
                        help="os: shard optimizer state across ranks (ZeRO stage 1); "
                             "each rank updates its shard and broadcasts it")

@@ -26,6 +26,8 @@ from hetfair.parallel.strategy import Strategy
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
 
+    from hetfair.parallel.context import DistributedContext
+
 REDUCE_DTYPES: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16}
 """``--reduce-dtype``: the dtype FSDP2 reduces gradients in (``None``: their own, fp32)."""
 
@@ -39,6 +41,12 @@ def _fsdp() -> ModuleType:
 @register_strategy("fully_sharded")
 class FullyShardedStrategy(Strategy):
     """torch's ``fully_shard`` on each of the model's sharding units, then on the model itself."""
+
+    takes_shard_fractions = True
+
+    def __init__(self, config: ParallelConfig, context: "DistributedContext") -> None:
+        super().__init__(config, context)
+        self._largest_unit_bytes = 0
 
     @classmethod
     def check_options(cls, config: ParallelConfig) -> None:
@@ -60,12 +68,21 @@ class FullyShardedStrategy(Strategy):
                               f"(--distributed-world-size N)")
 
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
+        self._largest_unit_bytes = max(_unit_bytes([*units, model]))
         _fsdp().shard_model(model, units, self.config.reshard_after_forward, REDUCE_DTYPES[self.config.reduce_dtype],
                             self.device_mesh())
 
     def device_mesh(self) -> Optional["DeviceMesh"]:
         """The mesh the model is sharded over (``None``: all ranks, one dimension)."""
         return None
+
+    def state_shares(self, rank: int) -> tuple[float, float]:
+        fractions = self.config.shard_fractions
+        share = fractions[rank] if fractions is not None else 1.0 / self.context.world_size
+        return share, share
+
+    def largest_gathered_unit_bytes(self) -> int:
+        return self._largest_unit_bytes
 
     @property
     def joins_every_micro_batch(self) -> bool:
@@ -106,3 +123,14 @@ class FullyShardedStrategy(Strategy):
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   params: Sequence[nn.Parameter], state: dict[str, Any]) -> None:
         _fsdp().load_full_optimizer_state_dict(model, optimizer, params, state)
+
+
+def _unit_bytes(units: Sequence[nn.Module]) -> list[int]:
+    """Each unit's parameter bytes, without those of the units before it (a unit holds what they leave)."""
+    seen: set[int] = set()
+    sizes = []
+    for unit in units:
+        own = [p for p in unit.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in own)
+        sizes.append(sum(p.numel() * p.element_size() for p in own))
+    return sizes

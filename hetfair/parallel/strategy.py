@@ -29,6 +29,8 @@ class Strategy:
 
     takes_comm_hook: ClassVar[bool] = False
     """Whether the mode honours ``--ddp-comm-hook`` (others refuse it at option parsing)."""
+    takes_shard_fractions: ClassVar[bool] = False
+    """Whether the mode splits its state by :attr:`ParallelConfig.shard_fractions` (then budgets fill them in)."""
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         self.check_world(config, context.world_size)
@@ -134,3 +136,26 @@ class Strategy:
     def shard_report(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Per-rank sizes worth logging once after the first update (a collective where there are any)."""
         return {}
+
+    # -- memory ---------------------------------------------------------------------------------
+    def state_shares(self, rank: int) -> tuple[float, float]:
+        """The share of the full state that ``rank`` keeps: of the parameters and gradients, and of the
+        optimizer state (here 1 and 1: every rank holds everything)."""
+        return 1.0, 1.0
+
+    def held_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """Bytes of the ``params``, ``grads`` and ``optimizer`` state this rank holds (its shards where sharded)."""
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grads = [p.grad for p in params if p.grad is not None]
+        state = [value for values in optimizer.state.values() for value in values.values() if torch.is_tensor(value)]
+        return {"params": _bytes(self.local_tensors(params)), "grads": _bytes(self.local_tensors(grads)),
+                "optimizer": _bytes(self.local_tensors(state))}
+
+    def largest_gathered_unit_bytes(self) -> int:
+        """Bytes of the largest sharding unit's full parameters, gathered for its forward and backward
+        (0: nothing is gathered, every rank holds its parameters whole)."""
+        return 0
+
+
+def _bytes(tensors: Sequence[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
