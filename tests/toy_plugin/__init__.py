@@ -75,6 +75,34 @@ class ToyMLP(HetfairModel):
         return self.net(x)
 
 
+@register_model("toy_deep")
+class ToyDeepMLP(HetfairModel):
+    """``Linear(8, W) - Tanh - (Linear(W, W) - Tanh) x depth - Linear(W, 3)``, each Linear a sharding unit: its
+    size is ``12 W + depth W^2`` parameters (and as many biases), for the memory tests."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = [torch.nn.Linear(8, width), torch.nn.Tanh()]
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+        self.net = torch.nn.Sequential(*layers, torch.nn.Linear(width, 3))
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--toy-width", type=int, default=64)
+        parser.add_argument("--toy-depth", type=int, default=2)
+
+    @classmethod
+    def build_model(cls, args: argparse.Namespace, task: Task) -> "ToyDeepMLP":
+        return cls(args.toy_width, args.toy_depth)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def sharding_units(self) -> list[torch.nn.Module]:
+        return [module for module in self.net if isinstance(module, torch.nn.Linear)]
+
+
 @register_model_architecture("toy_mlp", "toy_mlp_wide")
 def toy_mlp_wide() -> dict:
     return {"toy_hidden": 64}

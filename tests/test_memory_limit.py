@@ -1,0 +1,93 @@
+"""Under a real memory limit (a cgroup the test makes), even shards get a rank OOM-killed; 1:3 shards train.
+
+Rank 0 runs inside the cgroup, rank 1 outside. The model is a deep, wide MLP (about 40M
+parameters, each Linear a sharding unit of 4 MiB) trained with Adam, so its full training
+state is ``S`` = 16 bytes per parameter. Rank 0's peak resident memory is the baseline
+``B`` of a rank (interpreter, torch, gloo, data: measured here, on a tiny model of the same
+job) plus its share ``f`` of the state and the temporaries of Adam's step on its shard
+(``f * S / 4``): ``B + 1.25 f S`` and a few gathered units. Even shards (f = 1/2) need
+``B + 0.625 S``, 1:3 shards (f = 1/4) ``B + 0.31 S``, and a rank that builds the model
+whole first ``B + 0.25 S``. The limit ``B + 0.47 S`` leaves about ``0.15 S`` (95 MiB)
+either side. glibc returns freed tensors to the kernel at once (a fixed mmap threshold),
+so resident memory follows the live tensors rather than the allocator's history.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from cgroup import CgroupUnavailable, MemoryCgroup
+from helpers import TOY_PLUGIN, free_port, rank_flags, subprocess_env, train_command
+from hetfair.memory.sizes import parse_size
+
+WIDTH, DEPTH = 1024, 38
+PARAMS = 8 * WIDTH + WIDTH + DEPTH * (WIDTH * WIDTH + WIDTH) + WIDTH * 3 + 3
+STATE = 16 * PARAMS  # fp32 parameters and gradients, Adam's two moments
+LIMIT_ABOVE_BASELINE = 0.47 * STATE
+
+
+def job(tmp_path: Path, width: int, depth: int, *flags: str) -> list[str]:
+    return ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--arch", "toy_deep", "--toy-width", str(width),
+            "--toy-depth", str(depth), "--optimizer", "adam", "--lr", "0.001", "--max-update", "2", "--max-epoch",
+            "0", "--max-sentences", "2", "--save-dir", str(tmp_path / "ckpt"), "--no-save", "--log-format", "simple",
+            "--disable-validation", "--ddp-backend", "fully_sharded", "--distributed-timeout", "60", *flags]
+
+
+def run_job(tmp_path: Path, args: list[str], group: MemoryCgroup | None = None) -> list[subprocess.CompletedProcess]:
+    """Rank 0 (in ``group``, if any) and rank 1, one command each; both must end by themselves."""
+    init = f"tcp://127.0.0.1:{free_port()}"
+    env = {**subprocess_env(), "MALLOC_MMAP_THRESHOLD_": "65536"}  # freed tensors leave the resident set
+    procs = [subprocess.Popen(train_command(*args, *rank_flags(rank, 2, init)), cwd=tmp_path, env=env, text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                              preexec_fn=group.join if group is not None and rank == 0 else None)
+             for rank in range(2)]
+    results = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=240)
+        results.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return results
+
+
+def baseline_rss(tmp_path: Path) -> int:
+    """Rank 0's peak resident memory in the same job with a model of a few KiB (the memory | table's peak)."""
+    rank0, rank1 = run_job(tmp_path, job(tmp_path, 64, 1))
+    assert rank0.returncode == 0 and rank1.returncode == 0, rank0.stderr + rank1.stderr
+    row = re.search(r"^memory \| 0 \|.*\| ([\d.]+[KMG]) \| [^|]+$", rank0.stderr, re.MULTILINE)
+    assert row, rank0.stderr
+    return parse_size(row.group(1))
+
+
+@pytest.fixture(scope="module")
+def limit(tmp_path_factory) -> int:
+    """``B + 0.47 S`` (see the module's docstring)."""
+    return baseline_rss(tmp_path_factory.mktemp("baseline")) + int(LIMIT_ABOVE_BASELINE)
+
+
+@pytest.fixture
+def limited_group(limit):
+    """A memory cgroup of :func:`limit`, removed after the test."""
+    try:
+        group = MemoryCgroup.create(limit)
+    except CgroupUnavailable as exc:
+        pytest.skip(f"no memory cgroup can be made here: {exc}")
+    yield group
+    group.remove()
+
+
+def test_even_shards_get_the_limited_rank_killed_and_the_job_ends_in_one_line(tmp_path, limited_group):
+    rank0, rank1 = run_job(tmp_path, job(tmp_path, WIDTH, DEPTH), limited_group)
+    assert limited_group.oom_kills() >= 1, rank0.stderr
+    assert rank0.returncode != 0 and rank1.returncode != 0
+    errors = [line for line in rank0.stderr.splitlines() if line.startswith("hetfair-train: error:")]
+    assert errors == ["hetfair-train: error: the process of rank 0 was killed by signal SIGKILL; the others were "
+                      "stopped"], rank0.stderr  # the launcher's line, not a hang
+
+
+def test_one_to_three_shards_train_under_the_same_limit(tmp_path, limited_group):
+    rank0, rank1 = run_job(tmp_path, job(tmp_path, WIDTH, DEPTH, "--shard-fractions", "1,3"), limited_group)
+    assert rank0.returncode == 0 and rank1.returncode == 0, rank0.stderr + rank1.stderr
+    assert limited_group.oom_kills() == 0 and "num_updates 2" in rank0.stderr
