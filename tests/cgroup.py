@@ -45,7 +45,7 @@ class MemoryCgroup:
                 continue
             group = cls(path, version)
             try:
-                group._limit(limit_bytes)
+                group.set_limit(limit_bytes)
             except OSError as exc:
                 group.remove()
                 reasons.append(f"cgroup v{version}: cannot set a memory limit in {parent} ({exc.strerror})")
@@ -53,7 +53,8 @@ class MemoryCgroup:
             return group
         raise CgroupUnavailable("; ".join(reasons))
 
-    def _limit(self, limit_bytes: int) -> None:
+    def set_limit(self, limit_bytes: int) -> None:
+        """Limit the group's memory to ``limit_bytes``, swap included."""
         if self.version == 2:
             (self.path / "memory.max").write_text(str(limit_bytes))
             if (self.path / "memory.swap.max").exists():
