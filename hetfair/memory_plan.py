@@ -20,7 +20,7 @@ from hetfair.errors import ConfigError
 from hetfair.memory.budget import fractions_from_budgets
 from hetfair.memory.sizes import format_size
 from hetfair.optim import HetfairOptimizer
-from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig, Strategy
+from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig
 
 MEASURED_SPREAD = 1.1
 """Budgets measured on the devices (free memory) move the shards only when the largest is this many times the
@@ -81,10 +81,9 @@ class StateSize:
         return int(2 * self.param_bytes * shares[0] + self.optimizer_ratio * self.param_bytes * shares[1])
 
 
-def state_size(model: torch.nn.Module, strategy: Strategy, optimizer_ratio: float) -> StateSize:
-    """The :class:`StateSize` of ``model`` as ``strategy`` shards it (full sizes, also of sharded tensors)."""
-    param_bytes = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
-    return StateSize(param_bytes, optimizer_ratio, strategy.largest_gathered_unit_bytes())
+def parameter_bytes(model: torch.nn.Module) -> int:
+    """Bytes of ``model``'s trainable parameters, before a strategy shards it (a deferred model's too)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def check_fit(size: StateSize, shares: Sequence[tuple[float, float]], budgets: Sequence[Optional[int]],

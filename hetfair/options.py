@@ -283,6 +283,10 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
             type=PerProcessValues(parse_size, "memory_budget", int, "a memory size"),
             help="memory each process may use, e.g. 6G or 6G,20G (one per process of this command); "
                             "the sharded state is split in proportion (default on CUDA: the device's free memory)")
+    _option(group, "--offload", bounds=Bounds(0, 1), default=0, metavar="0|1[,0|1...]",
+            type=PerProcessValues(_whole_number, "offload", int, "0 or 1"),
+            help="with fully_sharded and shard fractions: 1 keeps this process's shards, their gradients and its "
+                 "optimizer state in host memory, gathered to its CUDA device for compute (one per process)")
     _option(group, "--activation-checkpointing", bounds=Bounds(0, 1), default=0, metavar="0|1[,0|1...]",
             type=PerProcessValues(_whole_number, "activation_checkpointing", int, "0 or 1"),
             help="1: recompute each sharding unit's activations in the backward instead of keeping them (less "

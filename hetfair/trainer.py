@@ -124,7 +124,7 @@ class Trainer:
             checkpoint_units(model)  # before sharding: the strategy shards (or wraps) the wrapped units
         # shard first, then move only this rank's part (a sharded model need not fit the device whole)
         self.strategy.shard(model, model.sharding_units() if isinstance(model, HetfairModel) else [])
-        self.model = model.to(context.device)
+        self.model = self.strategy.to_device(model)
         if config.compile:
             compile_model(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -261,7 +261,7 @@ class Trainer:
         if self.loss_scaler is None:
             torch._foreach_mul_(local, factor)
             return False
-        device = self.context.device
+        device = local[0].device if local else self.context.device  # an offloaded shard's: the CPU
         found_inf = torch.zeros(1, device=device)
         inverse_scale = torch.full((1,), factor / self.loss_scaler.scale, device=device)
         torch._amp_foreach_non_finite_check_and_unscale_(local, found_inf, inverse_scale)

@@ -27,7 +27,8 @@ from hetfair.logging.meters import IntervalStats, Stopwatch
 from hetfair.logging.progress import Progress, format_metric
 from hetfair.logging.tensorboard import TensorBoardLogger
 from hetfair.memory.budget import device_budget
-from hetfair.memory_plan import check_fit, complete_parallel_config, optimizer_state_ratio, state_size
+from hetfair.memory_plan import (StateSize, check_fit, complete_parallel_config, optimizer_state_ratio,
+                                 parameter_bytes)
 from hetfair.memory_table import FirstUpdateMemory, gather_rows, over_budget_lines, table_lines
 from hetfair.optim import OPTIMIZER_REGISTRY
 from hetfair.options import plain_config
@@ -148,10 +149,11 @@ class TrainingRun:
         job = self._agree()
         self.precisions = job.precisions
         self.budget = job.budgets[context.rank]
+        param_bytes = parameter_bytes(model)  # whole: the strategy shards the model next
         parallel = complete_parallel_config(config.parallel, job.budgets, job.budgets_measured, self._notice)
         self.trainer = Trainer.from_args(args, model, criterion, context, dummy,
                                          job_loss_scaler(job.precisions, config.precision.loss_scale), parallel)
-        self._check_memory_fit(job.budgets)
+        self._check_memory_fit(param_bytes, job.budgets)
         self._memory_to_report: Optional[FirstUpdateMemory] = None  # the first update's, once it runs
         self.comm = self.trainer.strategy.gradient_comm()
         self.comm_part = CommStatePart(self.comm, self._notice) if self.comm and self.comm.powersgd else None
@@ -191,12 +193,13 @@ class TrainingRun:
                         budget, given is None and budget is not None)
         return agree_at_start_up(self.context, own)
 
-    def _check_memory_fit(self, budgets: list[Optional[int]]) -> None:
+    def _check_memory_fit(self, param_bytes: int, budgets: list[Optional[int]]) -> None:
         """Refuse a plan where some rank's share of the state does not fit its budget (the same on every rank)."""
         strategy = self.trainer.strategy
         ratio = optimizer_state_ratio(OPTIMIZER_REGISTRY.get(self.args.optimizer), self.args)
         shares = [strategy.state_shares(rank) for rank in range(self.context.world_size)]
-        check_fit(state_size(self.trainer.model, strategy, ratio), shares, budgets, strategy.takes_shard_fractions)
+        size = StateSize(param_bytes, ratio, strategy.largest_gathered_unit_bytes())
+        check_fit(size, shares, budgets, strategy.takes_shard_fractions)
 
     def _capped_at_dataset(self, caps: list[int]) -> list[int]:
         """Per-rank batch sizes, none above the training set's size: a larger micro-batch holds no more samples."""

@@ -33,7 +33,7 @@ def check_strategy_world(config: ParallelConfig, world_size: int) -> None:
 
 def build_strategy(config: ParallelConfig, context: DistributedContext) -> Strategy:
     """The strategy ``config.ddp_backend`` names, for this process."""
-    return STRATEGY_REGISTRY.get(config.ddp_backend)(config, context)
+    return STRATEGY_REGISTRY.get(config.ddp_backend).variant(config)(config, context)
 
 
 __all__ = ["COMM_HOOKS", "ParallelConfig", "Strategy", "STRATEGY_REGISTRY", "register_strategy", "build_strategy",

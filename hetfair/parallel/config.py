@@ -54,6 +54,8 @@ class ParallelConfig:
     """Hybrid sharded: shard over this many consecutive ranks (default: the ranks of each node)."""
     shard_fractions: Optional[tuple[float, ...]] = None
     """Fully sharded: each rank's share of the sharded state, by rank (``None``: equal shares)."""
+    offload: bool = False
+    """Fully sharded with fractions: THIS process keeps its shards and optimizer state in host memory (not shared)."""
     ddp_comm_hook: str = "none"
     """Replicated: one of :data:`COMM_HOOKS` (``none``: DDP's own exact all-reduce)."""
     powersgd_rank: int = 1
@@ -67,7 +69,7 @@ class ParallelConfig:
                    args.find_unused_parameters, args.bucket_cap_mb, args.outer_interval, args.outer_lr,
                    args.outer_momentum, reduce_dtype=args.reduce_dtype, shard_group_size=args.shard_group_size,
                    shard_fractions=parse_shard_fractions(args.shard_fractions),
-                   ddp_comm_hook=args.ddp_comm_hook, powersgd_rank=args.powersgd_rank,
+                   offload=bool(args.offload), ddp_comm_hook=args.ddp_comm_hook, powersgd_rank=args.powersgd_rank,
                    powersgd_start_update=args.powersgd_start_update)
 
     def refuse_sharding_flags(self, instead: str) -> None:
@@ -80,6 +82,12 @@ class ParallelConfig:
                               f"hybrid_sharded; {instead}")
         if self.shard_group_size is not None:
             raise ConfigError("--shard-group-size needs --ddp-backend hybrid_sharded")
+        if self.shard_fractions is not None:
+            raise ConfigError(f"--shard-fractions needs --ddp-backend fully_sharded ({self.ddp_backend} does not shard "
+                              f"the parameters); {instead}")
+        if self.offload:
+            raise ConfigError(f"--offload needs --ddp-backend fully_sharded ({self.ddp_backend} does not shard the "
+                              f"parameters); {instead}")
 
     def refuse_outer_flags(self) -> None:
         """For a mode without an outer loop: refuse the outer-loop flags (a :class:`ConfigError`)."""

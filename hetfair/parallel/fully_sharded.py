@@ -21,12 +21,11 @@ from torch import nn
 from hetfair.errors import ConfigError
 from hetfair.parallel import register_strategy
 from hetfair.parallel.config import ParallelConfig
+from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-    from hetfair.parallel.context import DistributedContext
 
 REDUCE_DTYPES: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16}
 """``--reduce-dtype``: the dtype FSDP2 reduces gradients in (``None``: their own, fp32)."""
@@ -43,10 +42,6 @@ class FullyShardedStrategy(Strategy):
     """torch's ``fully_shard`` on each of the model's sharding units, then on the model itself."""
 
     takes_shard_fractions = True
-
-    def __init__(self, config: ParallelConfig, context: "DistributedContext") -> None:
-        super().__init__(config, context)
-        self._largest_unit_bytes = 0
 
     @classmethod
     def check_options(cls, config: ParallelConfig) -> None:
@@ -66,11 +61,34 @@ class FullyShardedStrategy(Strategy):
         if world_size < 2:
             raise ConfigError(f"--ddp-backend {config.ddp_backend} needs more than one process "
                               f"(--distributed-world-size N)")
+        fractions = config.shard_fractions
+        if fractions is not None and len(fractions) != world_size:
+            raise ConfigError(f"--shard-fractions has {len(fractions)} values but the job has {world_size} processes; "
+                              f"give one per rank")
+
+    @classmethod
+    def variant(cls, config: ParallelConfig) -> type[Strategy]:
+        """With ``--shard-fractions``, hetfair's uneven engine (FSDP2 shards only evenly); else FSDP2."""
+        if config.shard_fractions is None:
+            return cls
+        from hetfair.parallel.uneven_sharded import UnevenShardedStrategy
+
+        return UnevenShardedStrategy
+
+    def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
+        super().__init__(config, context)
+        if config.offload:
+            raise ConfigError(f"--offload 1 (rank {context.rank}) needs hetfair's uneven engine: give "
+                              f"--shard-fractions (equal ones too) or --memory-budget on every rank")
+        self._unit_bytes: list[int] = []
 
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
-        self._largest_unit_bytes = max(_unit_bytes([*units, model]))
+        self._unit_bytes = _unit_bytes(model, units)
         _fsdp().shard_model(model, units, self.config.reshard_after_forward, REDUCE_DTYPES[self.config.reduce_dtype],
                             self.device_mesh())
+
+    def largest_gathered_unit_bytes(self) -> int:
+        return max(self._unit_bytes, default=0)
 
     def device_mesh(self) -> Optional["DeviceMesh"]:
         """The mesh the model is sharded over (``None``: all ranks, one dimension)."""
@@ -80,9 +98,6 @@ class FullyShardedStrategy(Strategy):
         fractions = self.config.shard_fractions
         share = fractions[rank] if fractions is not None else 1.0 / self.context.world_size
         return share, share
-
-    def largest_gathered_unit_bytes(self) -> int:
-        return self._largest_unit_bytes
 
     @property
     def joins_every_micro_batch(self) -> bool:
@@ -125,12 +140,12 @@ class FullyShardedStrategy(Strategy):
         _fsdp().load_full_optimizer_state_dict(model, optimizer, params, state)
 
 
-def _unit_bytes(units: Sequence[nn.Module]) -> list[int]:
-    """Each unit's parameter bytes, without those of the units before it (a unit holds what they leave)."""
+def _unit_bytes(model: nn.Module, units: Sequence[nn.Module]) -> list[int]:
+    """The full parameter bytes of each unit, then of the rest of the model (the root unit)."""
     seen: set[int] = set()
     sizes = []
-    for unit in units:
-        own = [p for p in unit.parameters() if id(p) not in seen]
-        seen.update(id(p) for p in own)
-        sizes.append(sum(p.numel() * p.element_size() for p in own))
+    for module in [*units, model]:
+        params = [p for p in module.parameters() if id(p) not in seen]
+        seen.update(id(p) for p in params)
+        sizes.append(sum(p.numel() * p.element_size() for p in params))
     return sizes

@@ -25,6 +25,7 @@ from hetfair.parallel import register_strategy
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.fully_sharded import FullyShardedStrategy
+from hetfair.parallel.strategy import Strategy
 from hetfair.parallel.nodes import gather_layout, rank_blocks
 
 if TYPE_CHECKING:
@@ -45,6 +46,13 @@ class HybridShardedStrategy(FullyShardedStrategy):
     @classmethod
     def check_options(cls, config: ParallelConfig) -> None:
         super().check_options(replace(config, shard_group_size=None))  # the one flag fully_sharded refuses is ours
+        if config.shard_fractions is not None:
+            raise ConfigError("--shard-fractions needs --ddp-backend fully_sharded (hybrid_sharded shards evenly "
+                              "inside each node)")
+
+    @classmethod
+    def variant(cls, config: ParallelConfig) -> type[Strategy]:
+        return cls
 
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:

@@ -46,10 +46,19 @@ class Strategy:
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:
         """Refuse a world size this mode cannot run on; before any process starts."""
 
+    @classmethod
+    def variant(cls, config: ParallelConfig) -> type["Strategy"]:
+        """The class that runs this mode with ``config`` (a mode may have more than one engine)."""
+        return cls
+
     # -- the model and the optimizer ----------------------------------------------------------
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
         """Split ``model`` over the ranks in place, before it moves to the device; ``units`` are its own
         sharding units (:meth:`~hetfair.models.HetfairModel.sharding_units`)."""
+
+    def to_device(self, model: nn.Module) -> nn.Module:
+        """``model`` (sharded already) on this process's device: what of it computes there."""
+        return model.to(self.context.device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
         """The module forward passes run through (``model`` on its device, compiled if asked)."""
@@ -133,6 +142,20 @@ class Strategy:
         """Load a full, plain-format optimizer state (present on every rank); each rank keeps its part."""
         optimizer.load_state_dict(state)
 
+    def held_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        """The bytes of training state this rank holds: its (part of the) ``params``, their ``grads`` and the
+        ``optimizer`` state."""
+        params = [param for group in optimizer.param_groups for param in group["params"]]
+        grads = [param.grad for param in params if param.grad is not None]
+        state = [value for values in optimizer.state.values() for value in values.values()
+                 if isinstance(value, torch.Tensor)]
+        return {kind: sum(t.numel() * t.element_size() for t in self.local_tensors(tensors))
+                for kind, tensors in (("params", params), ("grads", grads), ("optimizer", state))}
+
+    def largest_gathered_unit_bytes(self) -> int:
+        """The parameter bytes of the largest unit gathered whole for compute (0: the whole model is held)."""
+        return 0
+
     def shard_report(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Per-rank sizes worth logging once after the first update (a collective where there are any)."""
         return {}
@@ -142,20 +165,3 @@ class Strategy:
         """The share of the full state that ``rank`` keeps: of the parameters and gradients, and of the
         optimizer state (here 1 and 1: every rank holds everything)."""
         return 1.0, 1.0
-
-    def held_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
-        """Bytes of the ``params``, ``grads`` and ``optimizer`` state this rank holds (its shards where sharded)."""
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grads = [p.grad for p in params if p.grad is not None]
-        state = [value for values in optimizer.state.values() for value in values.values() if torch.is_tensor(value)]
-        return {"params": _bytes(self.local_tensors(params)), "grads": _bytes(self.local_tensors(grads)),
-                "optimizer": _bytes(self.local_tensors(state))}
-
-    def largest_gathered_unit_bytes(self) -> int:
-        """Bytes of the largest sharding unit's full parameters, gathered for its forward and backward
-        (0: nothing is gathered, every rank holds its parameters whole)."""
-        return 0
-
-
-def _bytes(tensors: Sequence[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
