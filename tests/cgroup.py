@@ -75,6 +75,11 @@ class MemoryCgroup:
         match = re.search(r"^oom_kill (\d+)$", events.read_text(), re.MULTILINE)
         return int(match.group(1)) if match else 0
 
+    def peak_usage(self) -> int:
+        """The most memory the group's processes have used together since it was made (page cache included)."""
+        name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
+        return int((self.path / name).read_text())
+
     def remove(self) -> None:
         """Delete the group (its processes must have ended)."""
         self.path.rmdir()
