@@ -296,7 +296,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                             "each rank updates its shard and broadcasts it")
     group.add_argument("--zero-shard-weights", metavar="W0,W1,...",
                        help="with --zero-sharding os: one weight per rank (e.g. GPU memory); a rank's "
-                            "shard grows in proportion (default: equal shards)")
+                            "shard grows in proportion (default: from --memory-budget, else equal shards)")
     group.add_argument("--ddp-comm-hook", choices=COMM_HOOKS, default="none",
                        help="with c10d: how DDP communicates gradients; none: the exact fp32 all-reduce; "
                             "fp16/bf16 (lossy): compressed to half precision; powersgd (lossy): low-rank "

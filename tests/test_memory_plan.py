@@ -94,23 +94,32 @@ def sharded_toy(tmp_path: Path, *flags: str) -> list[str]:
             "fully_sharded", "--toy-units", "--toy-hidden", str(HIDDEN), "--distributed-timeout", "60", *flags]
 
 
+def rounding(printed: str) -> float:
+    """How far a size printed with one decimal (``2.7G``) may be from the bytes it stands for."""
+    return 0.05 * parse_size("1" + printed[-1]) if printed[-1] in "KMGT" else 0.5
+
+
 def memory_rows(output: str) -> list[list[str]]:
     lines = [line for line in output.splitlines() if re.match(r"memory \| \d", line)]
     return [[cell.strip() for cell in line.split("|")[1:]] for line in lines]
 
 
-def test_the_memory_table_shows_each_rank_its_share_and_warns_a_rank_past_its_budget(tmp_path):
-    """Rank 0's budget holds its state but not the interpreter's resident memory: the table, then one warning."""
-    result, = run_nodes([sharded_toy(tmp_path, "--memory-budget", "100M,3G", "--shard-fractions", "1,1")], tmp_path)
+def test_budgets_shard_the_state_and_the_memory_table_shows_it_and_warns_a_rank_past_its_budget(tmp_path):
+    """Budgets of 100M and 3G give rank 0 100/3172 of the state (no --shard-fractions); its budget holds that
+    share but not the interpreter's resident memory: the table, then one warning."""
+    result, = run_nodes([sharded_toy(tmp_path, "--memory-budget", "100M,3G")], tmp_path)
     assert result.returncode == 0, result.stderr
     rows = memory_rows(result.stderr)  # the progress lines
     assert [row[0] for row in rows] == ["0", "1"] and [row[1] for row in rows] == ["100.0M", "3.0G"]
-    for row in rows:
+    budgets = [parse_size("100M"), parse_size("3G")]
+    for row, budget in zip(rows, budgets):
+        share = budget / sum(budgets) * FULL_STATE
         state = parse_size(row[2].split(":")[0])
-        assert 0.5 * FULL_STATE / 1.1 <= state <= 1.1 * 0.5 * FULL_STATE, row  # half the state, padding aside
+        assert share / 1.1 <= state <= 1.1 * share, row  # its fraction of the state, rounding aside
         unit = parse_size(row[3])
         assert abs(unit - 4 * (HIDDEN * 8 + HIDDEN)) <= 0.05 * unit, row  # the first Linear, whole
-        assert parse_size(row[6].lstrip("-")) > 0
+        peak, headroom = parse_size(row[5]), parse_size(row[6].lstrip("-")) * (-1 if row[6][0] == "-" else 1)
+        assert abs(budget - peak - headroom) <= rounding(row[5]) + rounding(row[6]), row
     warnings = [line for line in result.stderr.splitlines() if line.startswith("memory | warning")]
     assert len(warnings) == 1 and "rank 0's first update peaked at" in warnings[0], result.stderr
     assert "--activation-checkpointing 1 on rank 0" in warnings[0]
