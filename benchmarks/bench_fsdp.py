@@ -1,12 +1,14 @@
-"""Per-rank memory of data parallel (none), ZeRO-1 (os) and fully sharded (FSDP2) BERT training.
+"""Per-rank memory of data parallel (none), ZeRO-1 (os), fully sharded (FSDP2) and uneven BERT training.
 
 For each mode and world size, real gloo processes build hetfair's Trainer around BERT and run
 a few Adam updates on random masked-LM batches; each rank reports the bytes of parameters,
 gradients and optimizer state it holds (its shards only), its peak RSS and the median update
 time. Then, from the measured bytes per parameter of each mode, the largest BERT (layers x
-hidden) whose training state fits a per-rank budget.
+hidden) whose training state fits a per-rank budget. ``uneven`` is fully sharded training on
+hetfair's uneven engine with equal ``--shard-fractions``: FSDP2's shares, to compare their cost.
 
     python benchmarks/bench_fsdp.py [--arch bert_base] [--worlds 2,4] [--updates 3] [--budget-gib 1]
+                                    [--modes none,os,fully_sharded,uneven]
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from hetfair.parallel import ParallelConfig, build_strategy  # noqa: E402
 from hetfair.trainer import Trainer, TrainerConfig  # noqa: E402
 
 ARCHS = {"bert_mini": bert_mini, "bert_base": bert_base, "bert_large": bert_large}
-MODES = ("none", "os", "fully_sharded")
+MODES = ("none", "os", "fully_sharded", "uneven")
 VOCAB, LENGTH, BATCH = 30522, 64, 2
 
 
@@ -63,12 +65,15 @@ def worker(rank: int, world: int, port: int, mode: str, arch: str, updates: int,
     dist.init_process_group("gloo", rank=rank, world_size=world)
     context = DistributedContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
     options = argparse.Namespace(lr=1e-4, weight_decay=0.0, adam_betas="(0.9, 0.999)", adam_eps=1e-8,
-                                 warmup_updates=0, lr_scheduler="fixed", force_anneal=None, lr_shrink=0.1)
+                                 warmup_updates=0, lr_scheduler="fixed", force_anneal=None, lr_shrink=0.1,
+                                 optimizer_impl="auto")
     torch.manual_seed(0)
     model = BertModel(BertConfig(vocab_size=VOCAB, **ARCHS[arch](), hidden_dropout_prob=0.0,
                                  attention_probs_dropout_prob=0.0))
-    parallel = ParallelConfig("fully_sharded" if mode == "fully_sharded" else "c10d",
-                              zero_sharding="os" if mode == "os" else "none")
+    numel = sum(p.numel() for p in model.parameters())
+    parallel = ParallelConfig("fully_sharded" if mode in ("fully_sharded", "uneven") else "c10d",
+                              zero_sharding="os" if mode == "os" else "none",
+                              shard_fractions=(1 / world,) * world if mode == "uneven" else None)
     strategy = build_strategy(parallel, context)
     trainer = Trainer(TrainerConfig(optimizer="adam"), model, MaskedLmCriterion(None), context, batch(0),
                       optimizer_factory=lambda params: strategy.build_optimizer(Adam, options, params),
@@ -85,7 +90,7 @@ def worker(rank: int, world: int, port: int, mode: str, arch: str, updates: int,
         "params": local_bytes(trainer.params), "grads": local_bytes(grads), "optimizer": local_bytes(state),
         "peak_rss": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "update_s": statistics.median(times[1:] or times),
-        "numel": sum(p.numel() for p in model.parameters()),
+        "numel": numel,
     }
     dist.barrier()
     dist.destroy_process_group()
@@ -126,9 +131,11 @@ def main() -> None:
     parser.add_argument("--worlds", default="2,4")
     parser.add_argument("--updates", type=int, default=3)
     parser.add_argument("--budget-gib", type=float, default=2.0, help="per-rank budget for training state")
+    parser.add_argument("--modes", default=",".join(MODES), help="the modes to measure (none is always measured: the baseline)")
     options = parser.parse_args()
     worlds = [int(w) for w in options.worlds.split(",")]
-    rows = {(mode, world): measure(mode, world, options.arch, options.updates) for world in worlds for mode in MODES}
+    modes = ["none", *(mode for mode in options.modes.split(",") if mode in MODES and mode != "none")]
+    rows = {(mode, world): measure(mode, world, options.arch, options.updates) for world in worlds for mode in modes}
     mib = 2**20
     print(f"{options.arch}, Adam, batch {BATCH}x{LENGTH} per rank, gloo on CPU, load {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} cores; per rank (the fullest one)")
@@ -145,7 +152,7 @@ def main() -> None:
     print(f"\nlargest BERT whose parameters + gradients + Adam state fit {options.budget_gib:g} GiB per rank "
           f"(bytes per parameter as measured above):")
     for world in worlds:
-        for mode in MODES:
+        for mode in modes:
             row = rows[(mode, world)]
             per_param = (row["params"] + row["grads"] + row["optimizer"]) / row["numel"]
             print(f"  {mode:15s}{world} ranks: {per_param:5.2f} B/parameter -> {largest_fitting(per_param, budget)}")

@@ -13,8 +13,8 @@ median of the ``train_inner`` lines after the first update. The modes alternate 
 The largest model: with ``--memory-budget`` set to ``--budgets`` (a 1:3 pair), the start-up fit
 check (each rank's predicted state plus its largest gathered unit against its budget) decides
 whether a layer count fits, with the budgets' own shares (uneven) or with ``--shard-fractions 1,1``
-(even); the largest that fits is found by doubling then bisecting, then one update of each confirms
-it (the held state of the small rank against its budget).
+(even); the largest that fits is found by doubling then bisecting (each probe stops once the check
+has passed), then one update of each confirms it (the held state of the small rank against its budget).
 """
 
 from __future__ import annotations
@@ -45,15 +45,20 @@ PEAK_WRAPPER = ("import resource, subprocess, sys; code = subprocess.call(sys.ar
 """Runs one rank's command and reports the largest resident set of its process tree (launcher or worker)."""
 
 
-def rank_command(data: Path, layers: int, updates: int, rank: int, init: str, save_dir: Path,
-                 flags: list[str]) -> list[str]:
-    train = [sys.executable, "-m", "hetfair_cli.train", "--task", "bert", "--data", str(data), "--arch", "bert_base",
+def train_command(data: Path, layers: int, updates: int, rank: int, init: str, save_dir: Path,
+                  flags: list[str]) -> list[str]:
+    return [sys.executable, "-m", "hetfair_cli.train", "--task", "bert", "--data", str(data), "--arch", "bert_base",
              "--num-hidden-layers", str(layers), "--optimizer", "adam", "--lr", "1e-4", "--max-sentences", "2",
              "--max-update", str(updates), "--max-epoch", "0", "--no-save", "--disable-validation",
              "--save-dir", str(save_dir), "--log-format", "json", "--log-interval", "1",
              "--distributed-world-size", "2", "--distributed-rank", str(rank), "--distributed-gpus", "1",
              "--distributed-init-method", init, "--distributed-timeout", "600", *flags]
-    return [sys.executable, "-c", PEAK_WRAPPER, *train]
+
+
+def rank_command(data: Path, layers: int, updates: int, rank: int, init: str, save_dir: Path,
+                 flags: list[str]) -> list[str]:
+    """:func:`train_command` inside :data:`PEAK_WRAPPER`."""
+    return [sys.executable, "-c", PEAK_WRAPPER, *train_command(data, layers, updates, rank, init, save_dir, flags)]
 
 
 def run_job(data: Path, layers: int, updates: int, rank_flags: list[list[str]],
@@ -83,15 +88,29 @@ def measure(data: Path, layers: int, updates: int, rank_flags: list[list[str]], 
 
 
 def fits(data: Path, layers: int, budgets: str, even: bool, workdir: Path) -> bool:
-    """Whether the start-up fit check passes (it fails before any update; a passing run stops after one)."""
+    """Whether the start-up fit check passes: the run either fails before training with the check's line, or
+    gets as far as its ``setup |`` line (printed after the check), where it is stopped."""
     shares = ["--shard-fractions", "1,1"] if even else []
-    results = run_job(data, layers, 1, [["--ddp-backend", "fully_sharded", "--memory-budget", budget, *shares]
-                                        for budget in budgets.split(",")], workdir)
-    if all(result.returncode == 0 for result in results):
+    init = f"tcp://127.0.0.1:{free_port()}"
+    procs = [subprocess.Popen(train_command(data, layers, 1, rank, init, workdir / "ckpt",
+                                            ["--ddp-backend", "fully_sharded", "--memory-budget", budget, *shares]),
+                              env=subprocess_env(1), cwd=workdir, text=True, stdout=subprocess.DEVNULL,
+                              stderr=subprocess.PIPE) for rank, budget in enumerate(budgets.split(","))]
+    assert procs[0].stderr is not None
+    lines = []
+    for line in procs[0].stderr:
+        lines.append(line)
+        if line.startswith("setup | model"):
+            break
+    for proc in procs:
+        proc.kill()  # the launcher: its worker gets its stop signal from the kernel
+        proc.wait()
+    output = "".join(lines)
+    if "setup | model" in output:
         return True
-    if any("memory budget" in result.stderr for result in results):
+    if "memory budget" in output:
         return False
-    raise RuntimeError(f"hetfair-train failed for another reason: {results[0].stderr[-3000:]}")
+    raise RuntimeError(f"hetfair-train failed for another reason: {output[-3000:]}")
 
 
 def largest_fitting(data: Path, budgets: str, even: bool, workdir: Path, start: int = 2) -> int:

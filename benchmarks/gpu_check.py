@@ -4,7 +4,11 @@ One CUDA device, well under 5 minutes, nothing but this repository and its PyPI
 packages (no data: the masked-LM batches are synthetic):
 
 1. a one-process NCCL group initialises and all-reduces a tensor;
-2. a few BERT updates in each precision through hetfair's ``Trainer`` (AdamW,
+2. ``--offload``: a few BERT updates on uneven sharding's engine with the shards, gradients and AdamW
+   state in host memory equal the same updates of the whole model on the GPU (1e-5: the step runs on
+   the CPU instead), and need less GPU memory (``max_memory_allocated``); the dry run checks the
+   engine without offload;
+3. a few BERT updates in each precision through hetfair's ``Trainer`` (AdamW,
    128-token sequences, 15% of them masked, fp16 with the dynamic loss scale),
    timed after warm-up and printed as sequences/s and tokens/s next to NVIDIA's
    published per-A100 figures for BERT-large phase 1 (sequence length 128): 580
@@ -31,7 +35,7 @@ import sys
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -41,7 +45,9 @@ from hetfair.bert.masking import IGNORE_INDEX
 from hetfair.bert.model import BertConfig, BertModel, bert_base, bert_large, bert_mini, bert_small, bert_tiny
 from hetfair.memory.peak import peak_bytes, reset_peak
 from hetfair.memory.sizes import format_size
+from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.uneven_sharded import UnevenShardedStrategy
 from hetfair.optim import LRScheduler
 from hetfair.precision import PRECISIONS, LossScaleConfig, LossScaler
 from hetfair.trainer import Trainer, TrainerConfig
@@ -106,16 +112,62 @@ def synthetic_batch(setup: Setup, generator: torch.Generator) -> dict[str, Any]:
             "target": target, "nsentences": setup.batch, "ntokens": setup.batch * setup.length}
 
 
-def build_trainer(setup: Setup, precision: str, dummy: dict[str, Any]) -> Trainer:
+def build_trainer(setup: Setup, precision: str, dummy: dict[str, Any], offload: Optional[bool] = None) -> Trainer:
+    """The whole model on the device, or (``offload`` given) uneven sharding's engine over this one process."""
     torch.manual_seed(1)
     context = DistributedContext(rank=0, world_size=1, local_rank=0, device=setup.device)
     schedule = argparse.Namespace(lr=1e-4, warmup_updates=0)
     scaler = LossScaler(LossScaleConfig()) if precision == "fp16" else None
+    strategy = None if offload is None else _OneProcessUneven(
+        ParallelConfig("fully_sharded", shard_fractions=(1.0,), offload=offload), context)
     return Trainer(TrainerConfig(clip_norm=1.0, optimizer="adamw", precision=precision), BertModel(setup.config),
                    MaskedLmCriterion(None), context, dummy,
                    optimizer_factory=lambda params: torch.optim.AdamW(params, lr=1e-4, weight_decay=0.01),
                    lr_scheduler_factory=lambda optimizer: LRScheduler(schedule, optimizer),
-                   loss_scaler=scaler)
+                   loss_scaler=scaler, strategy=strategy)
+
+
+class _OneProcessUneven(UnevenShardedStrategy):
+    """The uneven engine on the one GPU there is: its one process holds the whole shard (hetfair-train needs two)."""
+
+    @classmethod
+    def check_world(cls, config: ParallelConfig, world_size: int) -> None:
+        pass
+
+
+def check_offload(setup: Setup) -> str:
+    """A few fp32 updates with ``--offload 1`` (CPU dry run: the engine without offload) against the whole model:
+    the same parameters, and the GPU memory each needed."""
+    offload = setup.device.type == "cuda"
+    dist.init_process_group(setup.backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
+                            timeout=timedelta(seconds=60))
+    try:
+        generator = torch.Generator().manual_seed(0)
+        batches = [synthetic_batch(setup, generator) for _ in range(2)]
+        (whole, whole_peak), (sharded, sharded_peak) = (
+            _train_and_measure(setup, batches, choice) for choice in (None, offload))
+    finally:
+        dist.destroy_process_group()
+    worst = max(float((sharded[name] - value).abs().max()) for name, value in whole.items())
+    if worst > 1e-5:
+        raise CheckFailed(f"offload {int(offload)}: parameters differ from the whole model's by {worst:.2e}")
+    if offload and sharded_peak >= whole_peak:
+        raise CheckFailed(f"offload 1 needed {sharded_peak} GPU bytes, the whole model {whole_peak}")
+    return (f"offload {int(offload)}: {len(batches)} AdamW updates equal the whole model's (max diff {worst:.1e}); "
+            f"GPU peak {sharded_peak / 2**20:.0f} MiB vs {whole_peak / 2**20:.0f} MiB")
+
+
+def _train_and_measure(setup: Setup, batches: list[dict[str, Any]],
+                       offload: Optional[bool]) -> tuple[dict[str, torch.Tensor], int]:
+    """The parameters after training on ``batches``, and the device's peak allocated bytes (0 on CPU)."""
+    if setup.device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(setup.device)
+    trainer = build_trainer(setup, "fp32", batches[0], offload)
+    for batch in batches:
+        trainer.train_step([batch])
+    peak = torch.cuda.max_memory_allocated(setup.device) if setup.device.type == "cuda" else 0
+    return {k: v.cpu() for k, v in trainer.model_state_dict().items()}, peak
 
 
 def train_precision(setup: Setup, precision: str) -> dict[str, float]:
@@ -158,6 +210,7 @@ def describe(setup: Setup) -> str:
 def run(setup: Setup, arch: str) -> None:
     print(f"gpu_check | {describe(setup)}", flush=True)
     print(f"collectives | {check_collectives(setup)} initialised for 1 process; all_reduce ok", flush=True)
+    print(f"uneven | {check_offload(setup)}", flush=True)
     print(f"{arch} | batch {setup.batch} x {setup.length} tokens, {setup.updates} timed updates after "
           f"{setup.warmup} warm-up (AdamW, clip 1.0, loss in fp32)", flush=True)
     print(f"{'precision':<9} {'seq/s':>8} {'tokens/s':>10} {'loss/token first -> last':>24} {'skipped':>7} "

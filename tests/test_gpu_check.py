@@ -24,6 +24,7 @@ def test_dry_run_checks_collectives_and_trains_in_every_precision() -> None:
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
     assert "collectives | gloo initialised for 1 process; all_reduce ok" in lines
+    assert any(line.startswith("uneven | offload 0: 2 AdamW updates equal the whole model's") for line in lines)
     rows = {line.split()[0]: line.split() for line in lines if line.split() and line.split()[0] in
             ("fp32", "bf16", "fp16")}
     assert set(rows) == {"fp32", "bf16", "fp16"}

@@ -40,7 +40,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair.parallel",),  # in training: process context, collectives, stats, strategies, ZeRO, FSDP
     ("hetfair.registry", "hetfair.plugins"),  # the generic registry, plugin discovery
     ("hetfair.errors", "hetfair.utils", "hetfair.rng", "hetfair.data.indexed_dataset",
-     "hetfair.data.preprocess_output", "hetfair.memory"),  # leaves (the binary token format and preprocessing output every family shares; memory sizes)
+     "hetfair.data.preprocess_output", "hetfair.memory", "hetfair.models.deferred_init"),  # leaves (the binary token format and preprocessing output every family shares; memory sizes; the deferred build)
 ]
 
 # Packages the engine must not import (it finds them through entry points); a family may build on

@@ -11,10 +11,19 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
+from torch import nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
-from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, rank_flags, run_nodes
-from hetfair.parallel.uneven_shards import shard_bounds
-from test_fully_sharded import adam_args
+from helpers import final_parameters, free_port, node_commands, rank_flags, run_nodes
+from hetfair.checkpoint import load_checkpoint
+from hetfair.errors import ConfigError
+from hetfair.parallel import ParallelConfig, build_strategy
+from hetfair.parallel.context import DistributedContext
+from hetfair.models.deferred_init import build_deferred
+from hetfair.parallel.uneven_shards import UnevenShardedModel, shard_bounds
+from hetfair_cli.train import main as train_main
+from test_zero_sharding import ADAM, adam_reference, assert_same_optimizer_state
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
 
@@ -22,8 +31,8 @@ def run_uneven(tmp_path: Path, save_dir: Path, batch_sizes: list[int], fractions
                update_freq: int = 1) -> list[str]:
     """Train the toy model with one command per rank; each rank's stderr."""
     init = f"tcp://127.0.0.1:{free_port()}"
-    sharding = ("--ddp-backend", "fully_sharded", "--shard-fractions", fractions) if len(batch_sizes) > 1 else ()
-    commands = node_commands(toy_train_args(save_dir, update_freq, extra), batch_sizes, init, *sharding)
+    commands = node_commands(toy_train_args(save_dir, update_freq, extra), batch_sizes, init,
+                             "--ddp-backend", "fully_sharded", "--shard-fractions", fractions)
     results = run_nodes(commands, cwd=tmp_path)
     for result in results:
         assert result.returncode == 0, result.stderr
@@ -32,7 +41,7 @@ def run_uneven(tmp_path: Path, save_dir: Path, batch_sizes: list[int], fractions
 
 def test_every_element_goes_to_exactly_one_rank_in_proportion():
     assert shard_bounds(10, (0.25, 0.75)) == [0, 2, 10]  # round(2.5) is 2
-    assert shard_bounds(1, (0.25, 0.25, 0.5)) == [0, 0, 1, 1]  # a rank may hold nothing of a small parameter
+    assert shard_bounds(1, (0.25, 0.25, 0.5)) == [0, 0, 0, 1]  # a rank may hold nothing of a small parameter
     assert shard_bounds(1000, (0.25, 0.25, 0.5)) == [0, 250, 500, 1000]
 
 
@@ -72,13 +81,20 @@ def test_uneven_fp16_skips_the_same_overflowing_updates_as_replicated_ranks(tmp_
 
 
 def test_checkpoints_move_between_unsharded_uneven_and_even_runs(tmp_path):
-    """unsharded -> 1:3 -> 1:1 -> unsharded (Adam: its state is sliced and gathered) ends where one run ends."""
-    straight = tmp_path / "straight"
-    run_uneven(tmp_path, straight, [32], "", adam_args(straight, 8))
+    """unsharded -> 1:3 -> 1:1 -> unsharded ends where plain Adam ends; the 1:3 run saves plain Adam state."""
     chain = tmp_path / "chain"
-    for batch_sizes, fractions, stop in (([32], "", 2), ([8, 24], "1,3", 4), ([16, 16], "1,1", 6), ([32], "", 8)):
-        run_uneven(tmp_path, chain, batch_sizes, fractions, adam_args(chain, stop))
-    assert_same(final_parameters(chain), final_parameters(straight))
+    for batch_sizes, fractions, stop in (([], "", 2), ([8, 24], "1,3", 4), ([16, 16], "1,1", 6), ([], "", 8)):
+        flags = (*ADAM, "--max-update", str(stop), "--max-epoch", "0")
+        if fractions:
+            run_uneven(tmp_path, chain, batch_sizes, fractions, flags)
+        else:  # unsharded, in this process
+            assert train_main(toy_train_args(chain, 1, (*flags, "--max-sentences", "32"))) == 0
+        if fractions == "1,3":
+            _, optimizer = adam_reference(update_size=32, max_updates=stop)
+            saved = load_checkpoint(chain / "checkpoint_last.pt")["trainer"]["optimizer"]
+            assert_same_optimizer_state(saved, optimizer, atol=1e-5)
+    expected, _ = adam_reference(update_size=32, max_updates=8)
+    assert_same(final_parameters(chain), expected)
 
 
 def test_bert_uneven_per_encoder_layer_matches_one_process(tmp_path):
@@ -112,20 +128,61 @@ def test_bert_uneven_per_encoder_layer_matches_one_process(tmp_path):
     (["--offload", "1", "--ddp-backend", "c10d"], "--offload needs --ddp-backend fully_sharded"),
     (["--offload", "2", "--shard-fractions", "1,3"], "--offload must be at most 1"),
 ])
-def test_flags_that_cannot_work_are_one_line(tmp_path, flags, message):
+def test_flags_that_cannot_work_are_one_line(tmp_path, capsys, flags, message):
     command = toy_train_args(tmp_path / "ckpt", 1, ("--ddp-backend", "fully_sharded", *flags))
-    [result] = run_nodes([command + ["--distributed-world-size", "2", "--max-sentences", "8"]], cwd=tmp_path)
-    err = result.stderr.strip().splitlines()
-    assert result.returncode == 2 and len(err) == 1 and message in err[0], err
+    code = train_main(command + ["--distributed-world-size", "2", "--max-sentences", "8"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
 
 
 def test_offload_on_a_cpu_device_is_one_line(tmp_path):
-    init = f"tcp://127.0.0.1:{free_port()}"
-    commands = [toy_train_args(tmp_path / "ckpt", 1, ("--ddp-backend", "fully_sharded", "--shard-fractions", "1,3",
-                                                      "--offload", offload)) + rank_flags(rank, 2, init)
-                for rank, offload in enumerate(["1", "0"])]
-    results = run_nodes(commands, cwd=tmp_path, timeout=120)
-    err = results[0].stderr.strip().splitlines()
-    assert results[0].returncode == 2 and len(err) == 1, err
+    command = toy_train_args(tmp_path / "ckpt", 1, ("--ddp-backend", "fully_sharded", "--shard-fractions", "1,3",
+                                                    "--offload", "1,0"))
+    [result] = run_nodes([command + ["--distributed-world-size", "2", "--max-sentences", "8"]], cwd=tmp_path)
+    err = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and len(err) == 1, err
     assert "--offload 1 keeps rank 0's shards in host memory for a CUDA device" in err[0], err
-    assert results[1].returncode != 0  # its peer left: it stops too, and does not hang
+
+
+def test_offload_without_fractions_names_the_engine_it_needs():
+    """Even shards run on FSDP2, which hetfair gives no offload: the one-line error says what would."""
+    context = DistributedContext(rank=0, world_size=2, local_rank=0, device=torch.device("cpu"))
+    with pytest.raises(ConfigError, match=r"--offload 1 \(rank 0\) needs hetfair's uneven engine: give "
+                                          r"--shard-fractions"):
+        build_strategy(ParallelConfig("fully_sharded", offload=True), context)
+
+
+@pytest.fixture
+def one_process_group():
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def blocks() -> nn.Sequential:
+    torch.manual_seed(0)
+    return nn.Sequential(*[nn.Sequential(nn.Linear(6, 6), nn.LayerNorm(6), nn.Tanh()) for _ in range(3)],
+                         nn.Linear(6, 2))
+
+
+@pytest.mark.parametrize("reshard", [True, False], ids=["reshard", "no-reshard"])
+def test_gathered_units_are_freed_after_forward_and_after_backward(one_process_group, reshard):
+    """Saved activations refer to a unit's gathered parameters without keeping them: reshard after forward frees
+    them (not the root's: its backward follows at once), the backward gathers them again, and the gradients are
+    plain autograd's."""
+    plain, model = blocks(), build_deferred(blocks)
+    units = list(model)[:3]
+    engine = UnevenShardedModel(model, units, (1.0,), 0, torch.device("cpu"), torch.device("cpu"), reshard, None)
+    gathered: list[StorageWeakRef] = []  # each unit's gathered buffer, seen through one of its own parameters
+    for unit, holder in [*((unit, unit[0]) for unit in units), (model, model[3])]:
+        unit.register_forward_pre_hook(lambda _m, _i, holder=holder: gathered.append(
+            StorageWeakRef(holder.weight.untyped_storage())))
+    x = torch.randn(5, 6)
+    loss = model(x).square().sum()
+    assert [ref.expired() for ref in gathered] == [False, *[reshard] * 3]  # the root first, then the units
+    loss.backward()
+    assert all(ref.expired() for ref in gathered) and not any(unit.is_gathered() for unit in engine.units)
+    plain(x).square().sum().backward()
+    for (name, expected), shard in zip(plain.named_parameters(), model.parameters()):
+        torch.testing.assert_close(shard.grad, expected.grad.reshape(-1), msg=name)
+

@@ -15,20 +15,17 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any, ContextManager, Optional, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from hetfair.errors import ConfigError
 from hetfair.parallel import register_strategy
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.sharded_gradients import REDUCE_DTYPES, ShardedGradientsStrategy
 from hetfair.parallel.strategy import Strategy
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-
-REDUCE_DTYPES: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16}
-"""``--reduce-dtype``: the dtype FSDP2 reduces gradients in (``None``: their own, fp32)."""
 
 
 def _fsdp() -> ModuleType:
@@ -38,33 +35,8 @@ def _fsdp() -> ModuleType:
 
 
 @register_strategy("fully_sharded")
-class FullyShardedStrategy(Strategy):
+class FullyShardedStrategy(ShardedGradientsStrategy):
     """torch's ``fully_shard`` on each of the model's sharding units, then on the model itself."""
-
-    takes_shard_fractions = True
-
-    @classmethod
-    def check_options(cls, config: ParallelConfig) -> None:
-        if config.zero_sharding != "none" or config.zero_shard_weights is not None:
-            raise ConfigError(f"--ddp-backend {config.ddp_backend} already shards the optimizer state; "
-                              f"drop --zero-sharding")
-        if config.shard_group_size is not None:
-            raise ConfigError("--shard-group-size needs --ddp-backend hybrid_sharded (fully_sharded shards over "
-                              "all ranks)")
-        config.refuse_outer_flags()
-        if config.ddp_comm_hook != "none":
-            raise ConfigError(f"--ddp-comm-hook {config.ddp_comm_hook} is for --ddp-backend c10d; "
-                              f"{config.ddp_backend} reduce-scatters its gradients: use --reduce-dtype bf16 to halve them")
-
-    @classmethod
-    def check_world(cls, config: ParallelConfig, world_size: int) -> None:
-        if world_size < 2:
-            raise ConfigError(f"--ddp-backend {config.ddp_backend} needs more than one process "
-                              f"(--distributed-world-size N)")
-        fractions = config.shard_fractions
-        if fractions is not None and len(fractions) != world_size:
-            raise ConfigError(f"--shard-fractions has {len(fractions)} values but the job has {world_size} processes; "
-                              f"give one per rank")
 
     @classmethod
     def variant(cls, config: ParallelConfig) -> type[Strategy]:
@@ -94,28 +66,12 @@ class FullyShardedStrategy(Strategy):
         """The mesh the model is sharded over (``None``: all ranks, one dimension)."""
         return None
 
-    def state_shares(self, rank: int) -> tuple[float, float]:
-        fractions = self.config.shard_fractions
-        share = fractions[rank] if fractions is not None else 1.0 / self.context.world_size
-        return share, share
-
-    @property
-    def joins_every_micro_batch(self) -> bool:
-        return True  # every forward and backward gathers parameters
-
-    @property
-    def holds_full_gradients(self) -> bool:
-        return False
-
     def gradient_sync(self, wrapped: nn.Module, is_last: bool) -> ContextManager[Any]:
         _fsdp().set_gradient_sync(wrapped, is_last)
         return nullcontext()
 
     def local_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return _fsdp().local_tensors(tensors)
-
-    def agree_on_overflow(self, found_inf: torch.Tensor) -> None:
-        dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
 
     def clip_grad_norm(self, params: Sequence[nn.Parameter], grads: list[torch.Tensor], owed: float,
                        clip_norm: float) -> tuple[float, float]:

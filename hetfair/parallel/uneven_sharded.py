@@ -18,8 +18,7 @@ state stay in host memory; each gather copies the shard to the CUDA device for c
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import Any, ContextManager, Optional, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -29,16 +28,15 @@ from hetfair.errors import ConfigError
 from hetfair.parallel.collectives import all_gather_ints
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
-from hetfair.parallel.fully_sharded import REDUCE_DTYPES, FullyShardedStrategy
-from hetfair.parallel.strategy import Strategy
+from hetfair.parallel.sharded_gradients import REDUCE_DTYPES, ShardedGradientsStrategy
 from hetfair.parallel.uneven_shards import UnevenShardedModel, gather_param
 
 
-class UnevenShardedStrategy(FullyShardedStrategy):
+class UnevenShardedStrategy(ShardedGradientsStrategy):
     """Each rank keeps its ``--shard-fractions`` share of every parameter, its gradient and optimizer state."""
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
-        Strategy.__init__(self, config, context)
+        super().__init__(config, context)
         if config.offload and context.device.type != "cuda":
             raise ConfigError(f"--offload 1 keeps rank {context.rank}'s shards in host memory for a CUDA device, but "
                               f"it computes on {context.device.type}: give it --offload 0")
@@ -73,19 +71,11 @@ class UnevenShardedStrategy(FullyShardedStrategy):
         return max((unit.full_bytes for unit in self.engine.units), default=0)
 
     # -- one update ---------------------------------------------------------------------------
-    def gradient_sync(self, wrapped: nn.Module, is_last: bool) -> ContextManager[Any]:
-        return nullcontext()  # every backward reduce-scatters: sums of shards add up to the sum
-
     def local_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         return list(tensors)  # the parameters are this rank's shards already
 
     def normalising_factor(self, total_sample_size: float, rank_sample_sizes: Sequence[float]) -> float:
         return 1.0 / total_sample_size  # the reduce-scatter sums over the ranks (gloo has no average)
-
-    def agree_on_overflow(self, found_inf: torch.Tensor) -> None:
-        flag = found_inf.to(self.context.device)  # offloaded shards flag on the CPU; NCCL reduces on the device
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        found_inf.copy_(flag)
 
     def clip_grad_norm(self, params: Sequence[nn.Parameter], grads: list[torch.Tensor], owed: float,
                        clip_norm: float) -> tuple[float, float]:

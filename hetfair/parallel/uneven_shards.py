@@ -22,14 +22,15 @@ stored as references (a ``torch.autograd.graph.saved_tensors_hooks`` pair), and 
 unit is gathered again when the gradient of its output arrives (a multi-grad hook), so
 every rank gathers the same units in the same order, with or without activation
 checkpointing. The buffer is freed again once the unit's gradients are reduce-scattered.
-A rank's peak is therefore its state (shards of parameters, gradients and optimizer
-state) plus the gathered rest-of-model unit (its embeddings stay gathered from the start
-of the backward to its end), about two gathered units more while one is copied or
-reduce-scattered, plus activations.
+The rest-of-model unit (the root: embeddings, heads) is not freed after its forward, as
+in FSDP2: its forward encloses all others and its backward follows at once. A rank's peak
+is therefore its state (shards of parameters, gradients and optimizer state) plus the
+gathered root (from the start of the forward to the end of the backward), plus about one
+gathered unit (two while one is copied or reduce-scattered), plus activations.
 
-Offload (``offload_to=cpu``): the shards, their gradients and so the optimizer state
-live in host memory; a gather sends the shard from there to the compute device, and the
-reduced gradient slices come back.
+Offload (a ``storage_device`` of ``cpu`` beside a CUDA ``compute_device``): the shards,
+their gradients and so the optimizer state live in host memory; a gather sends the shard
+from there to the compute device, and the reduced gradient slices come back.
 """
 
 from __future__ import annotations
@@ -43,7 +44,11 @@ import torch.distributed as dist
 from torch import nn
 from torch.utils._pytree import tree_leaves
 
+from hetfair.errors import ConfigError
 from hetfair.models.deferred_init import full_value
+
+_ALL_GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+_REDUCE_SCATTER = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def shard_bounds(numel: int, fractions: Sequence[float]) -> list[int]:
@@ -78,7 +83,7 @@ class ShardedParam:
 
 
 class ShardedUnit:
-    """The parameters of one unit, sharded by ``fractions`` over the ranks of ``group``; gathers and scatters."""
+    """The parameters of one unit, each sliced over the ranks of the default group; gathers and scatters them."""
 
     def __init__(self, params: list[ShardedParam], rank: int, world_size: int, compute_device: torch.device,
                  reshard_after_forward: bool, reduce_dtype: Optional[torch.dtype]) -> None:
@@ -92,7 +97,11 @@ class ShardedUnit:
         self.padded = max(lengths, default=0)
         """Every rank's segment is padded to the longest one (the collectives take equal chunks)."""
         self.numel = sum(p.numel for p in params)
-        self.dtype = params[0].shard.dtype if params else torch.float32
+        dtypes = {p.shard.dtype for p in params}
+        if len(dtypes) > 1:
+            raise ConfigError(f"a sharding unit mixes parameter dtypes {sorted(map(str, dtypes))} ({params[0].name}, "
+                              f"...): give it parameters of one dtype, or --ddp-backend c10d")
+        self.dtype = dtypes.pop() if dtypes else torch.float32
         self._flat: Optional[torch.Tensor] = None
 
     @property
@@ -133,7 +142,7 @@ class ShardedUnit:
         mine = torch.cat([t.reshape(-1) for t in local]) if local else segment[:0]
         segment[:mine.numel()] = mine
         gathered = torch.empty(self.world_size * self.padded, dtype=dtype, device=self.compute_device)
-        dist.all_gather_into_tensor(gathered, segment)
+        _ALL_GATHER(gathered, segment)
         by_rank = gathered.view(self.world_size, self.padded)
         flat = torch.empty(self.numel, dtype=dtype, device=self.compute_device)
         offsets = [0] * self.world_size
@@ -163,7 +172,7 @@ class ShardedUnit:
                         param.bounds[rank]:param.bounds[rank + 1]]
                 offsets[rank] += length
         mine = torch.empty(self.padded, dtype=dtype, device=self.compute_device)
-        dist.reduce_scatter_tensor(mine, send.view(-1), op=dist.ReduceOp.SUM)
+        _REDUCE_SCATTER(mine, send.view(-1), op=dist.ReduceOp.SUM)
         del send
         mine = mine.to(device=self.params[0].shard.device, dtype=self.dtype) if self.params else mine
         starts = itertools.accumulate((p.length(self.rank) for p in self.params), initial=0)
@@ -213,7 +222,9 @@ class UnevenShardedModel:
         """Each shard's :class:`ShardedParam`, by ``id`` of the shard."""
         for module, named in zip(modules, groups):
             params = [self._shard(name, param, owners[id(param)], rank, storage_device) for name, param in named]
-            unit = ShardedUnit(params, rank, world_size, compute_device, reshard_after_forward, reduce_dtype)
+            # the root's backward starts as its forward ends: freeing it in between would only gather it again
+            reshard = reshard_after_forward and module is not model
+            unit = ShardedUnit(params, rank, world_size, compute_device, reshard, reduce_dtype)
             self.units.append(unit)
             if params:
                 module.register_forward_pre_hook(self._before_forward(unit))
@@ -293,7 +304,7 @@ def gather_param(param: ShardedParam, local: torch.Tensor, device: torch.device)
     segment = torch.zeros(padded, dtype=local.dtype, device=device)
     segment[:local.numel()] = local.to(device)
     gathered = torch.empty(world_size, padded, dtype=local.dtype, device=device)
-    dist.all_gather_into_tensor(gathered.view(-1), segment)
+    _ALL_GATHER(gathered.view(-1), segment)
     return torch.cat([gathered[rank, :param.length(rank)] for rank in range(world_size)]).view(param.shape).cpu()
 
 
