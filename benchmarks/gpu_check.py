@@ -14,7 +14,9 @@ packages (no data: the masked-LM batches are synthetic):
    published per-A100 figures for BERT-large phase 1 (sequence length 128): 580
    sequences/s in mixed precision, 317 in TF32. hetfair's fp32 leaves TF32 off
    (PyTorch's default), and BERT-base does about a third of BERT-large's work
-   per sequence, so compare ratios, not the raw numbers.
+   per sequence, so compare ratios, not the raw numbers. ``peak`` is the rank's
+   ``torch.cuda.max_memory_allocated`` from building the trainer to the last update
+   (:mod:`hetfair.memory.peak`; the resident set in the CPU dry run).
 
 Usage::
 
@@ -41,6 +43,8 @@ import torch.distributed as dist
 from hetfair.bert.criterion import MaskedLmCriterion
 from hetfair.bert.masking import IGNORE_INDEX
 from hetfair.bert.model import BertConfig, BertModel, bert_base, bert_large, bert_mini, bert_small, bert_tiny
+from hetfair.memory.peak import peak_bytes, reset_peak
+from hetfair.memory.sizes import format_size
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.uneven_sharded import UnevenShardedStrategy
@@ -170,6 +174,7 @@ def train_precision(setup: Setup, precision: str) -> dict[str, float]:
     """Warm up, then time ``setup.updates`` updates; sequences/s, tokens/s, losses and skipped updates."""
     generator = torch.Generator().manual_seed(0)
     batches = [synthetic_batch(setup, generator) for _ in range(setup.warmup + setup.updates)]
+    reset_peak(setup.device)
     trainer = build_trainer(setup, precision, batches[0])
     losses, skipped = [], 0
     for index, batch in enumerate(batches):
@@ -185,7 +190,8 @@ def train_precision(setup: Setup, precision: str) -> dict[str, float]:
     if not all(math.isfinite(loss) for loss in losses):
         raise CheckFailed(f"{precision}: a loss was not finite: {losses}")
     return {"seq_s": setup.batch * setup.updates / seconds, "tokens_s": setup.batch * setup.length * setup.updates
-            / seconds, "first_loss": losses[0], "last_loss": losses[-1], "skipped": skipped}
+            / seconds, "first_loss": losses[0], "last_loss": losses[-1], "skipped": skipped,
+            "peak": peak_bytes(setup.device)}
 
 
 def synchronize(device: torch.device) -> None:
@@ -207,15 +213,16 @@ def run(setup: Setup, arch: str) -> None:
     print(f"uneven | {check_offload(setup)}", flush=True)
     print(f"{arch} | batch {setup.batch} x {setup.length} tokens, {setup.updates} timed updates after "
           f"{setup.warmup} warm-up (AdamW, clip 1.0, loss in fp32)", flush=True)
-    print(f"{'precision':<9} {'seq/s':>8} {'tokens/s':>10} {'loss/token first -> last':>24} {'skipped':>7}  "
-          f"published A100, BERT-large phase 1")
+    print(f"{'precision':<9} {'seq/s':>8} {'tokens/s':>10} {'loss/token first -> last':>24} {'skipped':>7} "
+          f"{'peak':>7}  published A100, BERT-large phase 1")
     for precision in PRECISIONS:
         if precision == "bf16" and setup.device.type == "cuda" and not torch.cuda.is_bf16_supported():
             print(f"{precision:<9} (this GPU has no bf16)")
             continue
         r = train_precision(setup, precision)
         print(f"{precision:<9} {r['seq_s']:>8.1f} {r['tokens_s']:>10.0f} {r['first_loss']:>13.3f} -> "
-              f"{r['last_loss']:<7.3f} {r['skipped']:>7d}  {PUBLISHED_A100[precision]}", flush=True)
+              f"{r['last_loss']:<7.3f} {r['skipped']:>7d} {format_size(r['peak']):>7}  {PUBLISHED_A100[precision]}",
+              flush=True)
         if setup.device.type == "cuda":
             torch.cuda.empty_cache()
 

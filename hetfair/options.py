@@ -287,12 +287,16 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
             type=PerProcessValues(_whole_number, "offload", int, "0 or 1"),
             help="with fully_sharded and shard fractions: 1 keeps this process's shards, their gradients and its "
                  "optimizer state in host memory, gathered to its CUDA device for compute (one per process)")
+    _option(group, "--activation-checkpointing", bounds=Bounds(0, 1), default=0, metavar="0|1[,0|1...]",
+            type=PerProcessValues(_whole_number, "activation_checkpointing", int, "0 or 1"),
+            help="1: recompute each sharding unit's activations in the backward instead of keeping them (less "
+                 "memory, one more forward per unit; exact); one value per process of this command, e.g. 1,0")
     group.add_argument("--zero-sharding", choices=("none", "os"), default="none",
                        help="os: shard optimizer state across ranks (ZeRO stage 1); "
                             "each rank updates its shard and broadcasts it")
     group.add_argument("--zero-shard-weights", metavar="W0,W1,...",
                        help="with --zero-sharding os: one weight per rank (e.g. GPU memory); a rank's "
-                            "shard grows in proportion (default: equal shards)")
+                            "shard grows in proportion (default: from --memory-budget, else equal shards)")
     group.add_argument("--ddp-comm-hook", choices=COMM_HOOKS, default="none",
                        help="with c10d: how DDP communicates gradients; none: the exact fp32 all-reduce; "
                             "fp16/bf16 (lossy): compressed to half precision; powersgd (lossy): low-rank "

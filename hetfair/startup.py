@@ -1,6 +1,6 @@
 """The one start-up exchange: what each rank brings, and the settings every rank must be given alike.
 
-Ranks may differ in precision and batch sizes (heterogeneous nodes), and every rank
+Ranks may differ in precision, batch sizes and memory budgets (heterogeneous nodes), and every rank
 must know every rank's; they must not differ where their collectives or their
 shared loss scale would (``--ddp-backend``, ZeRO, the loss-scaling flags). One
 all-gather carries both, and one error names every rank and setting that disagrees.
@@ -9,7 +9,7 @@ all-gather carries both, and one error names every rank and setting that disagre
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 from hetfair.parallel.collectives import all_gather_json
 from hetfair.parallel.context import DistributedContext
@@ -37,6 +37,10 @@ class RankFacts:
     """Samples this rank takes per validation batch."""
     settings: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Per topic (:data:`PARALLELISM`, :data:`LOSS_SCALE`), ``{flag: value}`` that must be the same everywhere."""
+    memory_budget: Optional[int] = None
+    """Bytes this rank may use (``--memory-budget``, else its device's free memory; ``None``: unknown)."""
+    budget_measured: bool = False
+    """The budget is the device's free memory at start-up, not a ``--memory-budget``."""
 
 
 @dataclass(frozen=True)
@@ -46,6 +50,8 @@ class JobFacts:
     precisions: list[str]
     train_caps: list[int]
     valid_caps: list[int]
+    budgets: list[Optional[int]] = field(default_factory=list)
+    budgets_measured: list[bool] = field(default_factory=list)
 
 
 def agree_at_start_up(context: DistributedContext, own: RankFacts) -> JobFacts:
@@ -57,7 +63,8 @@ def agree_at_start_up(context: DistributedContext, own: RankFacts) -> JobFacts:
 def check_agreement(ranks: list[RankFacts]) -> JobFacts:
     """What every rank knows, once the settings of ``ranks`` (indexed by rank) agree; else one
     :class:`ConfigError`. The loss-scaling flags must agree only when some rank runs fp16."""
-    job = JobFacts([r.precision for r in ranks], [r.train_capacity for r in ranks], [r.valid_capacity for r in ranks])
+    job = JobFacts([r.precision for r in ranks], [r.train_capacity for r in ranks], [r.valid_capacity for r in ranks],
+                   [r.memory_budget for r in ranks], [r.budget_measured for r in ranks])
     topics = [PARALLELISM] + ([LOSS_SCALE] if "fp16" in job.precisions else [])
     problems = [problem for topic in topics if (problem := _disagreement(topic, ranks))]
     if problems:

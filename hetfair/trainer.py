@@ -48,6 +48,7 @@ from hetfair.parallel.stats import (
 )
 from hetfair.errors import CheckpointError, ConfigError, DivergenceError, first_line
 from hetfair.models import HetfairModel
+from hetfair.models.activation_checkpointing import checkpoint_units
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY, LRScheduler
 from hetfair.parallel import ParallelConfig, Strategy, build_strategy
 from hetfair.precision import LossScaler, autocast
@@ -69,10 +70,13 @@ class TrainerConfig:
     """This process's forward/loss precision: fp32, bf16 or fp16 (under autocast)."""
     compile: bool = False
     """``torch.compile`` the model in place, its batch dimension dynamic (``--compile``)."""
+    activation_checkpointing: bool = False
+    """Recompute each sharding unit's activations in the backward (``--activation-checkpointing``, this process's)."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "TrainerConfig":
-        return cls(args.seed, args.clip_norm, args.optimizer, args.reset_optimizer, args.precision, args.compile)
+        return cls(args.seed, args.clip_norm, args.optimizer, args.reset_optimizer, args.precision, args.compile,
+                   bool(args.activation_checkpointing))
 
 
 class _ComputeClock:
@@ -118,6 +122,8 @@ class Trainer:
         if config.compile and self.strategy.compile_refusal:
             raise ConfigError(self.strategy.compile_refusal)
         self.criterion = criterion.to(context.device)
+        if config.activation_checkpointing:
+            checkpoint_units(model)  # before sharding: the strategy shards (or wraps) the wrapped units
         # shard first, then move only this rank's part (a sharded model need not fit the device whole)
         self.strategy.shard(model, model.sharding_units() if isinstance(model, HetfairModel) else [])
         self.model = self.strategy.to_device(model)
@@ -148,13 +154,14 @@ class Trainer:
     @classmethod
     def from_args(cls, args: argparse.Namespace, model: nn.Module, criterion: nn.Module,
                   context: DistributedContext, dummy_batch: dict[str, Any],
-                  loss_scaler: Optional[LossScaler] = None) -> "Trainer":
+                  loss_scaler: Optional[LossScaler] = None, parallel: Optional[ParallelConfig] = None) -> "Trainer":
         """The trainer of ``args``: its ``--ddp-backend`` strategy, ``--optimizer`` (built by the strategy),
         ``--lr-scheduler`` and ``--precision``, with the job's ``loss_scaler`` (see
         :func:`hetfair.precision.job_loss_scaler`). The ranks must have agreed on their settings already
-        (:mod:`hetfair.startup`): the strategies' collectives differ."""
+        (:mod:`hetfair.startup`): the strategies' collectives differ. ``parallel``: the job's parallelism as the
+        start-up exchange completed it (:mod:`hetfair.memory_plan`; default: the flags' own)."""
         recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
-        strategy = build_strategy(ParallelConfig.from_args(args), context)
+        strategy = build_strategy(parallel or ParallelConfig.from_args(args), context)
         return cls(
             TrainerConfig.from_args(args), model, criterion, context, dummy_batch,
             optimizer_factory=lambda params: strategy.build_optimizer(recipe, args, params),

@@ -28,6 +28,11 @@ from hetfair.errors import ConfigError, Preempted
 from hetfair.logging.meters import IntervalStats, Stopwatch
 from hetfair.logging.progress import Progress, format_metric
 from hetfair.logging.tensorboard import TensorBoardLogger
+from hetfair.memory.budget import device_budget
+from hetfair.memory_plan import (StateSize, check_fit, complete_parallel_config, optimizer_state_ratio,
+                                 parameter_bytes)
+from hetfair.memory_table import FirstUpdateMemory, gather_rows, over_budget_lines, table_lines
+from hetfair.optim import OPTIMIZER_REGISTRY
 from hetfair.options import plain_config
 from hetfair.precision import job_loss_scaler
 from hetfair.rng import RngState, seed_everything
@@ -147,10 +152,15 @@ class TrainingRun:
             self._check_criterion(model, criterion, dummy)
         job = self._agree()
         self.precisions = job.precisions
+        self.budget = job.budgets[context.rank]
+        param_bytes = parameter_bytes(model)  # whole: the strategy shards the model next
+        parallel = complete_parallel_config(config.parallel, job.budgets, job.budgets_measured, self._notice)
         self.trainer = Trainer.from_args(args, model, criterion, context, dummy,
-                                         job_loss_scaler(job.precisions, config.precision.loss_scale))
+                                         job_loss_scaler(job.precisions, config.precision.loss_scale), parallel)
         if deferred:  # every rank runs the trial forward alike (the sharded model's collectives)
             self._check_criterion(self.trainer.model, self.trainer.criterion, move_to_device(dummy, context.device))
+        self._check_memory_fit(param_bytes, job.budgets)
+        self._memory_to_report: Optional[FirstUpdateMemory] = None  # the first update's, once it runs
         self.comm = self.trainer.strategy.gradient_comm()
         self.comm_part = CommStatePart(self.comm, self._notice) if self.comm and self.comm.powersgd else None
         self.caps = self._capped_at_dataset(job.train_caps)
@@ -191,11 +201,22 @@ class TrainingRun:
     def _agree(self) -> JobFacts:
         """The one start-up exchange: every rank's precision and batch sizes; the shared settings checked."""
         config, data = self.config, self.config.data
+        given = self.args.memory_budget
+        budget = given if given is not None else device_budget(self.context.device)
         own = RankFacts(config.precision.precision, local_capacity(data, self.task, data.max_sentences),
                         local_capacity(data, self.task, data.max_sentences_valid or data.max_sentences),
                         {PARALLELISM: config.parallel.shared_settings(),
-                         LOSS_SCALE: config.precision.loss_scale.shared_settings()})
+                         LOSS_SCALE: config.precision.loss_scale.shared_settings()},
+                        budget, given is None and budget is not None)
         return agree_at_start_up(self.context, own)
+
+    def _check_memory_fit(self, param_bytes: int, budgets: list[Optional[int]]) -> None:
+        """Refuse a plan where some rank's share of the state does not fit its budget (the same on every rank)."""
+        strategy = self.trainer.strategy
+        ratio = optimizer_state_ratio(OPTIMIZER_REGISTRY.get(self.args.optimizer), self.args)
+        shares = [strategy.state_shares(rank) for rank in range(self.context.world_size)]
+        size = StateSize(param_bytes, ratio, strategy.largest_gathered_unit_bytes())
+        check_fit(size, shares, budgets, strategy.takes_shard_fractions)
 
     def _capped_at_dataset(self, caps: list[int]) -> list[int]:
         """Per-rank batch sizes, none above the training set's size: a larger micro-batch holds no more samples."""
@@ -318,11 +339,14 @@ class TrainingRun:
     def train_update(self, update: Update) -> None:
         """One update (or one skipped for an fp16 overflow: the data moves on either way); its
         statistics go to the meters and the balancer (which may move the split)."""
+        if self._shards_to_report and self._memory_to_report is None:
+            self._memory_to_report = FirstUpdateMemory(self.context.device, self.trainer.optimizer)
         result = self.trainer.train_step(update.micro_batches)
         seconds = self.stopwatch.lap()
         self.position.samples_done += update.global_samples
         if result is not None:
             if self._shards_to_report and not result.skipped:
+                self._report_memory(result.samples[self.context.rank])
                 self._report_optimizer_shards()
             self.interval.add(result, seconds)
             self.epoch_stats.add(result, seconds)
@@ -355,6 +379,14 @@ class TrainingRun:
         if advice is not None and self.comm is not None:
             self.comm.select(advice.chosen)
             self._notice(advice.line())
+
+    def _report_memory(self, samples: float) -> None:
+        """The ``memory |`` table of the first update, and a warning for each rank past its budget (a collective)."""
+        assert self._memory_to_report is not None
+        own = self._memory_to_report.finish(self.trainer.strategy, self.trainer.optimizer, self.budget, samples)
+        rows = gather_rows(self.context, own)
+        for line in table_lines(rows) + over_budget_lines(rows, self.context.device.type):
+            self._notice(line)
 
     def _report_optimizer_shards(self) -> None:
         """Log each rank's shard and optimizer-state bytes once, after the first update (a collective where

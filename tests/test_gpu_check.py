@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from helpers import REPO_ROOT, subprocess_env
+from hetfair.memory.sizes import parse_size
 
 SCRIPT = REPO_ROOT / "benchmarks" / "gpu_check.py"
 
@@ -30,6 +31,7 @@ def test_dry_run_checks_collectives_and_trains_in_every_precision() -> None:
     for precision, fields in rows.items():
         seq_s, first_loss, last_loss, skipped = float(fields[1]), float(fields[3]), float(fields[5]), int(fields[6])
         assert seq_s > 0 and 0 < first_loss < 10 and 0 < last_loss < 10 and skipped == 0, precision
+        assert parse_size(fields[7]) > 0, precision  # the peak memory
     assert rows["fp32"][-2:] == ["seq/s", "(TF32)"] and rows["fp16"][-3] == "580"
 
 

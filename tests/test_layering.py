@@ -28,7 +28,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair.lm.generate",),  # sampling from a checkpoint (hetfair.load_model) of the lm family
     ("hetfair.training", "hetfair.evaluate", "hetfair.pretrained"),  # the training loop, hetfair-validate's program
     ("hetfair.checkpoint", "hetfair.checkpoint_writer", "hetfair.trainer", "hetfair.validation",
-     "hetfair.run_state", "hetfair.startup", "hetfair.run_config"),  # their parts
+     "hetfair.run_state", "hetfair.startup", "hetfair.run_config", "hetfair.memory_plan",
+     "hetfair.memory_table"),  # their parts
     ("hetfair.balance", "hetfair.logging", "hetfair.data"),  # engine services
     ("hetfair.options", "hetfair.inventory"),  # the command line's options, --list-plugins
     ("hetfair.bert", "hetfair.lm", "hetfair.hf_encoder"),  # hetfair's own plugin families (see PLUGIN_FAMILIES)

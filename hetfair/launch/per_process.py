@@ -28,7 +28,7 @@ from hetfair.errors import ConfigError
 T = TypeVar("T")
 
 PER_PROCESS_OPTIONS: tuple[str, ...] = ("max_sentences", "max_tokens", "precision", "device_id",
-                                          "memory_budget", "offload")
+                                          "memory_budget", "offload", "activation_checkpointing")
 """The ``args`` attributes that may hold one value per local process."""
 
 

@@ -24,6 +24,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
@@ -169,6 +170,7 @@ def load_full_optimizer_state_dict(model: nn.Module, optimizer: torch.optim.Opti
 
 
 def _names(model: nn.Module, params: Sequence[nn.Parameter]) -> list[str]:
-    """The fully qualified name of each of ``params``, in their order (the optimizer's indices)."""
-    by_id = {id(param): name for name, param in model.named_parameters()}
+    """The fully qualified name of each of ``params``, in their order (the optimizer's indices), as state dicts
+    name them (without an activation-checkpoint wrapper's part)."""
+    by_id = {id(param): name.replace(_CHECKPOINT_PREFIX, "") for name, param in model.named_parameters()}
     return [by_id[id(param)] for param in params]

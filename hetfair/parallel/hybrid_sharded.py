@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 class HybridShardedStrategy(FullyShardedStrategy):
     """Fully sharded over the ranks of a node (or of ``--shard-group-size``), replicated over the nodes."""
 
+    takes_shard_fractions = False  # FSDP2's even shards inside each node
+
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         super().__init__(config, context)
         self.layout: list[list[int]] = []
@@ -67,6 +69,10 @@ class HybridShardedStrategy(FullyShardedStrategy):
         self.layout = (rank_blocks(self.context.world_size, size) if size is not None
                        else gather_layout(self.context))
         return fsdp.hybrid_mesh(self.context.device.type, self.layout)
+
+    def state_shares(self, rank: int) -> tuple[float, float]:
+        share = 1.0 / next(len(node) for node in self.layout if rank in node)
+        return share, share
 
     def shard_report(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """The mesh: how many nodes replicate the model, and how many ranks shard it in each."""

@@ -97,3 +97,11 @@ class ReplicatedStrategy(Strategy):
 
     def shard_report(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         return zero.shard_report(optimizer, self.context)
+
+    def state_shares(self, rank: int) -> tuple[float, float]:
+        if self.config.zero_sharding == "none":
+            return 1.0, 1.0
+        return 1.0, zero.weight_share(self.config.zero_shard_weights, rank, self.context.world_size)
+
+    def held_state_bytes(self, optimizer: torch.optim.Optimizer) -> dict[str, int]:
+        return {**super().held_state_bytes(optimizer), "optimizer": zero.optimizer_state_bytes(optimizer)}

@@ -24,6 +24,8 @@ REDUCE_DTYPES: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.b
 class ShardedGradientsStrategy(Strategy):
     """A mode whose ranks each hold a shard of every parameter and gradient (``--ddp-backend fully_sharded``)."""
 
+    takes_shard_fractions = True
+
     @classmethod
     def check_options(cls, config: ParallelConfig) -> None:
         if config.zero_sharding != "none" or config.zero_shard_weights is not None:
@@ -46,6 +48,11 @@ class ShardedGradientsStrategy(Strategy):
         if fractions is not None and len(fractions) != world_size:
             raise ConfigError(f"--shard-fractions has {len(fractions)} values but the job has {world_size} processes; "
                               f"give one per rank")
+
+    def state_shares(self, rank: int) -> tuple[float, float]:
+        fractions = self.config.shard_fractions
+        share = fractions[rank] if fractions is not None else 1.0 / self.context.world_size
+        return share, share
 
     @property
     def joins_every_micro_batch(self) -> bool:

@@ -31,6 +31,8 @@ class Strategy:
     """Whether the mode honours ``--ddp-comm-hook`` (others refuse it at option parsing)."""
     compile_refusal: ClassVar[Optional[str]] = None
     """Why ``--compile`` cannot trace the mode's model, as the one-line error the trainer gives (``None``: it can)."""
+    takes_shard_fractions: ClassVar[bool] = False
+    """Whether the mode splits its state by :attr:`ParallelConfig.shard_fractions` (then budgets fill them in)."""
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         self.check_world(config, context.world_size)
@@ -166,3 +168,9 @@ class Strategy:
     def shard_report(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Per-rank sizes worth logging once after the first update (a collective where there are any)."""
         return {}
+
+    # -- memory ---------------------------------------------------------------------------------
+    def state_shares(self, rank: int) -> tuple[float, float]:
+        """The share of the full state that ``rank`` keeps: of the parameters and gradients, and of the
+        optimizer state (here 1 and 1: every rank holds everything)."""
+        return 1.0, 1.0

@@ -56,6 +56,13 @@ def parse_shard_weights(text: str, world_size: Optional[int] = None) -> list[flo
     return weights
 
 
+def weight_share(shard_weights: Optional[str], rank: int, world_size: int) -> float:
+    """``rank``'s nominal share of the optimizer state (its weight over their sum; equal without weights).
+    Parameters are whole, so the shard each rank gets is only close to it."""
+    weights = parse_shard_weights(shard_weights, world_size) if shard_weights else [1.0] * world_size
+    return weights[rank] / sum(weights)
+
+
 def check_sharding(zero_sharding: str, zero_shard_weights: Optional[str], world_size: int) -> None:
     """What can be checked once the world size is known, before any process starts."""
     if zero_sharding == "none":

@@ -42,9 +42,11 @@ class ToyTask(Task):
 
 @register_model("toy_mlp")
 class ToyMLP(HetfairModel):
-    def __init__(self, hidden: int, step_seconds: float = 0.0, pause_file: str | None = None) -> None:
+    def __init__(self, hidden: int, step_seconds: float = 0.0, pause_file: str | None = None,
+                 units: bool = False) -> None:
         super().__init__()
         self.net = blobs_mlp(hidden)
+        self.units = units
         self.step_seconds = step_seconds
         self.pause_file = Path(pause_file) if pause_file else None
 
@@ -55,10 +57,14 @@ class ToyMLP(HetfairModel):
                             help="sleep this long in every training forward (time for a test to act mid-run)")
         parser.add_argument("--toy-pause-file", metavar="PATH",
                             help="while PATH exists, every training forward waits (a test holds training there)")
+        parser.add_argument("--toy-units", action="store_true", help="each Linear layer is a sharding unit")
 
     @classmethod
     def build_model(cls, args: argparse.Namespace, task: Task) -> "ToyMLP":
-        return cls(args.toy_hidden, args.toy_step_seconds, args.toy_pause_file)
+        return cls(args.toy_hidden, args.toy_step_seconds, args.toy_pause_file, args.toy_units)
+
+    def sharding_units(self) -> list[torch.nn.Module]:
+        return [self.net[0], self.net[2]] if self.units else []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training and self.step_seconds:  # Python-level branches: --compile traces no sleep
@@ -67,6 +73,34 @@ class ToyMLP(HetfairModel):
             while self.pause_file.exists():
                 time.sleep(0.02)
         return self.net(x)
+
+
+@register_model("toy_deep")
+class ToyDeepMLP(HetfairModel):
+    """``Linear(8, W) - Tanh - (Linear(W, W) - Tanh) x depth - Linear(W, 3)``, each Linear a sharding unit: its
+    size is ``12 W + depth W^2`` parameters (and as many biases), for the memory tests."""
+
+    def __init__(self, width: int, depth: int) -> None:
+        super().__init__()
+        layers: list[torch.nn.Module] = [torch.nn.Linear(8, width), torch.nn.Tanh()]
+        for _ in range(depth):
+            layers += [torch.nn.Linear(width, width), torch.nn.Tanh()]
+        self.net = torch.nn.Sequential(*layers, torch.nn.Linear(width, 3))
+
+    @staticmethod
+    def add_args(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--toy-width", type=int, default=64)
+        parser.add_argument("--toy-depth", type=int, default=2)
+
+    @classmethod
+    def build_model(cls, args: argparse.Namespace, task: Task) -> "ToyDeepMLP":
+        return cls(args.toy_width, args.toy_depth)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+    def sharding_units(self) -> list[torch.nn.Module]:
+        return [module for module in self.net if isinstance(module, torch.nn.Linear)]
 
 
 @register_model_architecture("toy_mlp", "toy_mlp_wide")
