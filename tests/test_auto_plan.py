@@ -92,8 +92,9 @@ def test_budgets_give_their_own_micro_batches_and_train_as_the_hand_written_comm
 
 
 def test_auto_backend_shards_a_model_whose_state_fits_no_rank(tmp_path):
-    # 113M of parameters in three 38M sharding units, Adam's two moments: replicated needs about 750M per
-    # process, sharded in halves about 600M (docs/auto-plan.md has the sums); equal budgets of 680M
+    # 113M of parameters (P) in three 38M sharding units (U), Adam's two moments (O = 2P), about 300M before
+    # the first step: replicated needs 300M + P + P + O = 750M per process, sharded in halves
+    # 300M + P + P + O/2 + 2U - P = 600M; equal budgets of 680M
     result = hetfair_train(tmp_path, "--user-dir", str(SIMCLUSTER), "--task", "sim", "--sim-train-size", "16",
                            "--sim-hidden", "3072", "--sim-layers", "3", "--sim-speeds", "1,1", "--sim-sample-ms", "0",
                            "--max-sentences", "2", "--memory-budget", "680M", "--ddp-backend", "auto",
