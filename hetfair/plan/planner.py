@@ -222,10 +222,10 @@ class Planner:
 
 
 def _probe_why(result: ProbeResult) -> str:
-    if result.largest == result.upper:
+    if result.failed is None:
         return f"probed: all {result.upper} samples fit ({result.steps} steps, {result.seconds:.1f} s)"
     margin = f", {SAFETY_MARGIN:.0%} margin" if result.micro_batch < result.largest else ""
-    return f"probed: {result.largest} fit, {result.largest + 1} did not ({result.steps} steps, {result.seconds:.1f} s" \
+    return f"probed: {result.largest} fit, {result.failed} did not ({result.steps} steps, {result.seconds:.1f} s" \
            f"{margin})"
 
 

@@ -6,8 +6,9 @@ precision. A step fits when it raises no out-of-memory error (``torch.cuda.OutOf
 its peak memory (:mod:`hetfair.memory.peak`: the allocator's on CUDA, the process's resident set on
 CPU) plus a reserve for what training holds beyond one step (:mod:`hetfair.plan.state`) stays within
 the budget. The search doubles ``n`` from 1 until a step does not fit or reaches the upper bound, then
-bisects: at most ``2 * ceil(log2(upper)) + 1`` steps. Where memory, not the upper bound, stopped it,
-the micro-batch keeps a safety margin of :data:`SAFETY_MARGIN` below the largest that fitted
+bisects until the largest that fits is known to within half the safety margin (or exactly, below 20
+samples): at most ``2 * ceil(log2(upper)) + 1`` steps. Where memory, not the upper bound, stopped it,
+the micro-batch keeps a safety margin of :data:`SAFETY_MARGIN` below the largest step that fitted
 (allocator fragmentation and the batches' varying shapes in training).
 
 A probe leaves nothing behind: no optimizer step (the parameters are not touched), gradients set to
@@ -46,6 +47,8 @@ class ProbeResult:
 
     largest: int
     upper: int
+    failed: Optional[int]
+    """The smallest micro-batch that did not fit (``None``: all up to ``upper`` did)."""
     steps: int
     seconds: float
     one_sample_bytes: int
@@ -54,7 +57,7 @@ class ProbeResult:
     @property
     def micro_batch(self) -> int:
         """The micro-batch to train with: the largest that fitted, less the margin where memory bounded it."""
-        if self.largest in (0, self.upper):
+        if self.failed is None or self.largest == 0:
             return self.largest
         return max(1, math.floor(self.largest * (1 - SAFETY_MARGIN)))
 
@@ -109,7 +112,7 @@ class MicroBatchProbe:
                 low = candidate
             else:
                 high = candidate
-        while high is not None and high - low > 1:
+        while high is not None and high - low > max(1, int(low * SAFETY_MARGIN / 2)):  # to within half the margin
             middle = (low + high) // 2
             if self.fits(middle, reserve)[0]:
                 low = middle
@@ -117,7 +120,9 @@ class MicroBatchProbe:
                 high = middle
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        return ProbeResult(low, upper, self.steps - steps_before, time.perf_counter() - started, one_sample)
+        _trim_heap(self.device)
+        reset_peak(self.device)  # the peak from here on is training's, not the probe's
+        return ProbeResult(low, upper, high, self.steps - steps_before, time.perf_counter() - started, one_sample)
 
     def _step(self, batch: dict[str, Any]) -> bool:
         """One forward and backward, gradients dropped after; False when the device ran out of memory."""
