@@ -68,8 +68,8 @@ class JobPlan:
         ``shares[r]``), the backend and the probing time."""
         rows = [("rank", "device", "memory", "budget", "precision", "micro-batch", "share", "shard", "why")]
         for rank, row in enumerate(self.ranks):
-            shard = f"{self.fractions[rank]:.2f}" if self.fractions else f"{1 / len(self.ranks):.2f}" \
-                if self.backend == SHARDED else "whole"
+            shard = "whole" if self.backend == REPLICATED else "-" if self.backend != SHARDED else \
+                f"{self.fractions[rank] if self.fractions else 1 / len(self.ranks):.2f}"
             rows.append((str(rank), row.device, _size(row.memory), _size(row.budget), row.precision, str(caps[rank]),
                          f"{shares[rank]:.2f}", shard, row.why))
         widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
