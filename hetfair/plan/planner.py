@@ -158,7 +158,10 @@ class Planner:
     def _backend(self, budgets: list[Optional[int]], fits: list[bool]) -> tuple[str, str, Optional[tuple[float, ...]]]:
         """The backend, why, and the shard fractions (by budget when every rank has one)."""
         if not self.auto_backend:
-            return self.args.ddp_backend, "as given", parse_shard_fractions(self.args.shard_fractions)
+            given = parse_shard_fractions(self.args.shard_fractions)
+            if self.args.ddp_backend == SHARDED and given is None:
+                return SHARDED, "as given", _fractions_by_budget(budgets)
+            return self.args.ddp_backend, "as given", given
         if self.context.world_size == 1:
             return REPLICATED, "one process, nothing to shard over", None
         assert self.sizes is not None
@@ -167,9 +170,8 @@ class Planner:
             return REPLICATED, (f"every rank holds the model's state ({state}: parameters, gradients, optimizer "
                                 f"state) and a micro-batch: replicated"), None
         short = ", ".join(str(rank) for rank, fit in enumerate(fits) if not fit)
-        known = all(budget is not None for budget in budgets)
-        fractions = fractions_from_budgets([float(b) for b in budgets]) if known else None  # type: ignore[arg-type]
-        split = "by memory budget" if known else "equally (not every rank has a budget)"
+        fractions = _fractions_by_budget(budgets)
+        split = "by memory budget" if fractions else "equally (not every rank has a budget)"
         return SHARDED, (f"rank(s) {short} cannot hold the model's state ({state}: parameters, gradients, "
                          f"optimizer state) and a micro-batch: sharded {split}"), fractions
 
@@ -217,7 +219,8 @@ class Planner:
             own["max_tokens"] = int(probed or 0) * int(self.positions or 0)
         if self.auto_backend:
             own["ddp_backend"] = plan.backend
-            own["shard_fractions"] = ",".join(map(repr, plan.fractions)) if plan.fractions else None
+        if plan.backend == SHARDED and self.args.shard_fractions is None and plan.fractions:
+            own["shard_fractions"] = ",".join(map(repr, plan.fractions))
         return argparse.Namespace(**{**vars(self.args), **own})
 
 
@@ -227,6 +230,13 @@ def _probe_why(result: ProbeResult) -> str:
     margin = f", {SAFETY_MARGIN:.0%} margin" if result.micro_batch < result.largest else ""
     return f"probed: {result.largest} fit, {result.failed} did not ({result.steps} steps, {result.seconds:.1f} s" \
            f"{margin})"
+
+
+def _fractions_by_budget(budgets: Sequence[Optional[int]]) -> Optional[tuple[float, ...]]:
+    """Shard fractions in proportion to the budgets when every rank has one, else ``None`` (equal shares)."""
+    if any(budget is None for budget in budgets):
+        return None
+    return fractions_from_budgets([float(budget) for budget in budgets])  # type: ignore[arg-type]
 
 
 def _refuse_too_small(rows: list[RankPlan]) -> None:
