@@ -16,7 +16,13 @@ packages (no data: the masked-LM batches are synthetic):
    (PyTorch's default), and BERT-base does about a third of BERT-large's work
    per sequence, so compare ratios, not the raw numbers. ``peak`` is the rank's
    ``torch.cuda.max_memory_allocated`` from building the trainer to the last update
-   (:mod:`hetfair.memory.peak`; the resident set in the CPU dry run).
+   (:mod:`hetfair.memory.peak`; the resident set in the CPU dry run);
+4. the automatic plan's micro-batch probe (``hetfair.plan.probe``) on the device, held
+   to a tenth of its memory (``torch.cuda.set_per_process_memory_fraction``) so that
+   the search meets a real ``torch.cuda.OutOfMemoryError`` within seconds: it must
+   find a micro-batch that then trains, leave no tensor allocated and the parameters
+   unchanged (on CPU, the dry run holds the probe to a budget 16M above the process's
+   resident memory instead).
 
 Usage::
 
@@ -43,11 +49,12 @@ import torch.distributed as dist
 from hetfair.bert.criterion import MaskedLmCriterion
 from hetfair.bert.masking import IGNORE_INDEX
 from hetfair.bert.model import BertConfig, BertModel, bert_base, bert_large, bert_mini, bert_small, bert_tiny
-from hetfair.memory.peak import peak_bytes, reset_peak
+from hetfair.memory.peak import current_bytes, peak_bytes, reset_peak
 from hetfair.memory.sizes import format_size
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.uneven_sharded import UnevenShardedStrategy
+from hetfair.plan.probe import MicroBatchProbe
 from hetfair.optim import LRScheduler
 from hetfair.precision import PRECISIONS, LossScaleConfig, LossScaler
 from hetfair.trainer import Trainer, TrainerConfig
@@ -194,6 +201,51 @@ def train_precision(setup: Setup, precision: str) -> dict[str, float]:
             "peak": peak_bytes(setup.device)}
 
 
+PROBE_MEMORY_FRACTION = 0.1
+
+
+def check_oom_probe(setup: Setup) -> str:
+    """Probe BERT's largest fp32 micro-batch (batches of ``length`` tokens) under a tenth of the device's memory
+    (a real out-of-memory error ends the doubling), then train one update of it."""
+    generator = torch.Generator().manual_seed(0)
+    template = synthetic_batch(Setup(setup.device, setup.backend, setup.config, 1, setup.length, 1), generator)
+    trainer = build_trainer(setup, "fp32", template)
+    model, criterion = trainer.model, trainer.criterion
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    budget = None
+    if setup.device.type == "cuda":
+        torch.cuda.set_per_process_memory_fraction(PROBE_MEMORY_FRACTION, setup.device)
+    else:
+        budget = current_bytes(setup.device) + (16 << 20)
+    allocated = current_bytes(setup.device) if setup.device.type == "cuda" else None
+    try:
+        probe = MicroBatchProbe(model, criterion, lambda n: _repeated(template, n), setup.device, "fp32", budget)
+        result = probe.largest(upper=1 << 16, reserve=0)
+        if allocated is not None and current_bytes(setup.device) != allocated:
+            raise CheckFailed(f"the probe left {current_bytes(setup.device) - allocated} bytes allocated")
+        if result.failed is None or result.micro_batch < 1:
+            raise CheckFailed(f"the probe met no limit or found no micro-batch: {result}")
+        changed = [name for name, value in model.state_dict().items() if not torch.equal(value, before[name])]
+        if changed:
+            raise CheckFailed(f"the probe changed {', '.join(changed[:3])}")
+        trainer.train_step([_repeated(template, result.micro_batch)])
+    finally:
+        if setup.device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(1.0, setup.device)
+            torch.cuda.empty_cache()
+    limit = f"{PROBE_MEMORY_FRACTION:.0%} of the device's memory" if budget is None else \
+        "a budget 16M above the process's memory"
+    return (f"{result.largest} sequences fit, {result.failed} did not, under {limit} ({result.steps} steps, "
+            f"{result.seconds:.1f} s); one update of micro-batch {result.micro_batch} trained; nothing left allocated")
+
+
+def _repeated(batch: dict[str, Any], copies: int) -> dict[str, Any]:
+    """``batch`` (one sequence) ``copies`` times over."""
+    inputs = {key: value.repeat(copies, 1) for key, value in batch["net_input"].items()}
+    return {"net_input": inputs, "target": batch["target"].repeat(copies, 1), "nsentences": copies,
+            "ntokens": copies * batch["ntokens"]}
+
+
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -225,6 +277,7 @@ def run(setup: Setup, arch: str) -> None:
               flush=True)
         if setup.device.type == "cuda":
             torch.cuda.empty_cache()
+    print(f"oom probe | {check_oom_probe(setup)}", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import argparse
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Optional, Sequence
 
 from hetfair.criteria import CRITERION_REGISTRY
@@ -25,6 +25,7 @@ from hetfair.optim.implementation import IMPLEMENTATIONS
 from hetfair.parallel import COMM_HOOKS, STRATEGY_REGISTRY, ParallelConfig, check_strategy_options
 from hetfair.plugins import import_user_dir
 from hetfair.memory.sizes import parse_size
+from hetfair.plan import AUTO
 from hetfair.precision import parse_precision
 from hetfair.tasks import TASK_REGISTRY
 from hetfair.utils import DefaultsHelpFormatter, absolute_path
@@ -97,6 +98,9 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
                        help="progress output (default: tqdm on a terminal, simple otherwise)")
     group.add_argument("--tensorboard-logdir", metavar="DIR", type=absolute_path,
                        help="write TensorBoard scalars to DIR")
+    group.add_argument("--dry-run", action="store_true",
+                       help="print the plan (per process: device, memory, precision, micro-batch, share, shard) "
+                            "and exit: no update, no checkpoint, no TensorBoard files")
 
 
 def add_component_args(parser: argparse.ArgumentParser) -> None:
@@ -116,13 +120,14 @@ def add_dataset_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("dataset and batching")
     group.add_argument("--data", metavar="DIR", type=absolute_path, help="data directory of the task")
     _option(group, "--max-sentences", "--batch-size", bounds=Bounds(1), metavar="N[,N...]", dest="max_sentences",
-            type=PerProcessValues(_whole_number, "max_sentences", int, "an integer"),
+            type=PerProcessValues(_whole_number_or_auto, "max_sentences", int, "an integer"),
             help="samples per process and micro-batch (may differ between nodes); a list gives one "
-                 "value per process of this command, e.g. 48,16")
+                 "value per process of this command, e.g. 48,16; auto: the largest that fits the process's "
+                 "memory, found by a short probe (docs: auto-plan)")
     _option(group, "--max-tokens", bounds=Bounds(1), metavar="N[,N...]",
-            type=PerProcessValues(_whole_number, "max_tokens", int, "an integer"),
+            type=PerProcessValues(_whole_number_or_auto, "max_tokens", int, "an integer"),
             help="tokens per process and micro-batch (may differ between nodes); a list gives one "
-                 "value per process of this command")
+                 "value per process of this command; auto: as for --max-sentences")
     _option(group, "--global-batch-size", bounds=Bounds(1), type=int, metavar="N",
             help="samples per step over all processes (default: the sum of their batch sizes; "
                  "smaller leaves room for --auto-balance to move the split)")
@@ -171,7 +176,8 @@ def add_precision_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--precision", metavar="P[,P...]",
                        help="fp32 (default), bf16 or fp16: the forward pass and loss run under autocast, parameters "
                             "and gradients stay fp32; may differ between nodes; a list gives one value per process "
-                            "of this command, e.g. fp32,bf16,fp16")
+                            "of this command, e.g. fp32,bf16,fp16; auto: bf16 on a CUDA device that has it, else "
+                            "fp16 on CUDA, fp32 on CPU")
     group.add_argument("--fp16", action="store_true",
                        help="--precision fp16 for every process of this command (with dynamic loss scaling)")
     group.add_argument("--bf16", action="store_true", help="--precision bf16 for every process of this command")
@@ -255,7 +261,8 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                             "(FSDP2), for models larger than the smallest device; hybrid_sharded shards inside "
                             "each node and replicates across nodes (for slow links between them); localsgd and "
                             "diloco train each node apart and synchronise every --outer-interval updates (slow "
-                            "links); one of: "
+                            "links); auto: c10d when every process holds the model's state and a micro-batch, else "
+                            "fully_sharded by --memory-budget (docs: auto-plan); one of: "
                             f"{_known(STRATEGY_REGISTRY.names())}")
     group.add_argument("--no-reshard-after-forward", action="store_true",
                        help="with fully_sharded or hybrid_sharded: keep each unit's parameters gathered from "
@@ -488,10 +495,30 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         if bounds is None:
             continue
         for value in values_of(getattr(args, action.dest)):
-            problem = None if value is None else bounds.problem(value, is_float=action.type is float)
+            problem = None if value in (None, AUTO) else bounds.problem(value, is_float=action.type is float)
             if problem:
                 raise ConfigError(f"{action.option_strings[0]} {problem}, got {value}")
-    check_strategy_options(ParallelConfig.from_args(args))
+    _check_parallel(ParallelConfig.from_args(args))
+
+
+def _check_parallel(config: ParallelConfig) -> None:
+    """The strategy's own checks; for ``--ddp-backend auto``, those of both backends it may choose."""
+    if config.ddp_backend != AUTO:
+        check_strategy_options(config)
+        return
+    for backend in ("c10d", "fully_sharded"):
+        try:
+            check_strategy_options(replace(config, ddp_backend=backend))
+        except ConfigError as exc:
+            raise ConfigError(f"--ddp-backend auto may choose {backend}: {exc}") from None
+
+
+def _whole_number_or_auto(text: str) -> int | str:
+    return AUTO if text == AUTO else _whole_number(text)
+
+
+def _precision_or_auto(text: str) -> str:
+    return AUTO if text == AUTO else parse_precision(text)
 
 
 def _whole_number(text: str) -> int:
@@ -509,7 +536,7 @@ def _chosen_precision(args: argparse.Namespace) -> str | tuple[str, ...]:
         raise ConfigError(f"{' and '.join(given)} both choose the precision; give only one of them")
     if args.precision is None:
         return "fp16" if args.fp16 else "bf16" if args.bf16 else "fp32"
-    return parse_per_process(args.precision, parse_precision, "precision")
+    return parse_per_process(args.precision, _precision_or_auto, "precision")
 
 
 _NEVER_STORED = ("distributed_secret",)

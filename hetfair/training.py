@@ -15,10 +15,11 @@ from hetfair.balance import LoadBalancer
 from hetfair.checkpoint import CheckpointConfig, Checkpointer, Stateful
 from hetfair.criteria.fit import check_criterion_fits
 from hetfair.data.epoch_updates import EpochSchedule, EpochUpdates, Update
+from hetfair.data.batch_plan import split_counts
 from hetfair.data.rank_batches import dummy_batch
 from hetfair.data.update_shape import UpdateShape
 from hetfair.models.deferred_init import build_deferred
-from hetfair.parallel import STRATEGY_REGISTRY
+from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig
 from hetfair.parallel.comm_advice import CommAdvisor, LinkMeasurement
 from hetfair.parallel.comm_hooks import CommStatePart
 from hetfair.parallel.context import DistributedContext
@@ -32,8 +33,12 @@ from hetfair.memory.budget import device_budget
 from hetfair.memory_plan import (StateSize, check_fit, complete_parallel_config, optimizer_state_ratio,
                                  parameter_bytes)
 from hetfair.memory_table import FirstUpdateMemory, gather_rows, over_budget_lines, table_lines
+from hetfair.models import HetfairModel
 from hetfair.optim import OPTIMIZER_REGISTRY
 from hetfair.options import plain_config
+from hetfair.plan.planner import JobPlan, PlanPart, Planner, plan_probes
+from hetfair.plan.precision import resolved_precision
+from hetfair.plan.probe import longest_sample_batches
 from hetfair.precision import job_loss_scaler
 from hetfair.rng import RngState, seed_everything
 from hetfair.run_config import DataConfig, LoopConfig, RunConfig
@@ -125,7 +130,9 @@ def train(args: argparse.Namespace, context: DistributedContext) -> None:
     """
     progress = Progress(args.log_format, enabled=context.is_master)
     with progress.showing_log_records():
-        TrainingRun(args, context, progress).run()
+        run = TrainingRun(args, context, progress)
+        if not args.dry_run:
+            run.run()
 
 
 class TrainingRun:
@@ -137,39 +144,48 @@ class TrainingRun:
 
     def __init__(self, args: argparse.Namespace, context: DistributedContext,
                  progress: Optional[Progress] = None) -> None:
-        self.args = args
-        self.config = config = RunConfig.from_args(args, context.world_size, balance_lag=Trainer.TIMINGS_LAG)
+        args = argparse.Namespace(**{**vars(args), "precision": resolved_precision(args.precision, context.device)})
         self.context = context
-        self.progress = progress or Progress(config.loop.log_format, enabled=context.is_master)
-        seed_everything(config.loop.seed)
+        self.progress = progress or Progress(args.log_format, enabled=context.is_master)
+        seed_everything(args.seed)
         self.task = TASK_REGISTRY.get(args.task).setup_task(args)
-        self.train_data = self.task.dataset(config.data.train_subset)
-        model = self._build_model()
+        self.train_data = self.task.dataset(args.train_subset)
+        model = self._build_model(args)
         criterion = self.task.build_criterion(args)
         dummy = dummy_batch(self.train_data, self.task.collater)
         deferred = any(param.is_meta for param in model.parameters())  # no values until the strategy shards it
         if not deferred:
-            self._check_criterion(model, criterion, dummy)
+            self._check_criterion(model, criterion, dummy, args)
+        self.plan, self.args = self._make_plan(args, model, criterion)  # every "auto" replaced by the plan's choice
+        self.config = config = RunConfig.from_args(self.args, context.world_size, balance_lag=Trainer.TIMINGS_LAG)
         job = self._agree()
         self.precisions = job.precisions
         self.budget = job.budgets[context.rank]
+        self.caps = self._capped_at_dataset(job.train_caps)
+        self.nominal_shape = command_shape(config.data, self.caps)
+        self.shape = fit_shape(config.data, self.nominal_shape, self.caps)
+        self.balancer = self._new_balancer()
+        self._show_plan()
+        if not self.args.dry_run:  # a dry run ends with the plan: nothing trains, nothing is written
+            self._set_up_training(model, criterion, dummy, job)
+
+    def _set_up_training(self, model: torch.nn.Module, criterion: torch.nn.Module, dummy: dict, job: JobFacts) -> None:
+        """The trainer, validator, meters and checkpoints of the planned run; resume; announce it."""
+        args, config, context = self.args, self.config, self.context
+        deferred = any(param.is_meta for param in model.parameters())
         param_bytes = parameter_bytes(model)  # whole: the strategy shards the model next
         parallel = complete_parallel_config(config.parallel, job.budgets, job.budgets_measured, self._notice)
         self.trainer = Trainer.from_args(args, model, criterion, context, dummy,
                                          job_loss_scaler(job.precisions, config.precision.loss_scale), parallel)
         if deferred:  # every rank runs the trial forward alike (the sharded model's collectives)
-            self._check_criterion(self.trainer.model, self.trainer.criterion, move_to_device(dummy, context.device))
+            self._check_criterion(self.trainer.model, self.trainer.criterion, move_to_device(dummy, context.device), args)
         self._check_memory_fit(param_bytes, job.budgets)
         self._memory_to_report: Optional[FirstUpdateMemory] = None  # the first update's, once it runs
         self.comm = self.trainer.strategy.gradient_comm()
         self.comm_part = CommStatePart(self.comm, self._notice) if self.comm and self.comm.powersgd else None
-        self.caps = self._capped_at_dataset(job.train_caps)
         self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, job.valid_caps,
                                    config.data.num_workers,
                                    forward_every_batch=self.trainer.strategy.joins_every_micro_batch)
-        self.nominal_shape = command_shape(config.data, self.caps)
-        self.shape = fit_shape(config.data, self.nominal_shape, self.caps)
-        self.balancer = self._new_balancer()
         self.position = Position()
         self.clock = TrainingClock()
         self.tensorboard = TensorBoardLogger(config.loop.tensorboard_logdir, enabled=context.is_master)
@@ -187,16 +203,42 @@ class TrainingRun:
         self.comm_advisor = self._measure_link()
         self._announce(model)
 
-    def _build_model(self) -> torch.nn.Module:
-        """The task's model; on the meta device where the strategy materialises only its rank's shards."""
-        if STRATEGY_REGISTRY.get(self.config.parallel.ddp_backend).builds_deferred(self.config.parallel):
-            return build_deferred(lambda: self.task.build_model(self.args))
-        return self.task.build_model(self.args)
+    def _build_model(self, args: argparse.Namespace) -> torch.nn.Module:
+        """The task's model; on the meta device where the strategy materialises only its rank's shards
+        (not where the plan probes micro-batches or the backend on the whole model)."""
+        if not plan_probes(args, self.context.world_size):
+            parallel = ParallelConfig.from_args(args)
+            if STRATEGY_REGISTRY.get(parallel.ddp_backend).builds_deferred(parallel):
+                return build_deferred(lambda: self.task.build_model(args))
+        return self.task.build_model(args)
 
-    def _check_criterion(self, model: torch.nn.Module, criterion: torch.nn.Module, dummy: dict[str, Any]) -> None:
+    def _check_criterion(self, model: torch.nn.Module, criterion: torch.nn.Module, dummy: dict[str, Any],
+                         args: argparse.Namespace) -> None:
         """A mismatch of criterion and task is one error line (a trial forward on one sample)."""
-        names = {"criterion": self.args.criterion, "task": self.args.task, "arch": self.args.arch}
+        names = {"criterion": args.criterion, "task": args.task, "arch": args.arch}
         check_criterion_fits(model, criterion, dummy, names)
+
+    def _make_plan(self, args: argparse.Namespace, model: torch.nn.Module,
+                   criterion: torch.nn.Module) -> tuple[JobPlan, argparse.Namespace]:
+        """The job's plan (probing this rank's micro-batch where it is ``auto``), and the options it resolves."""
+        units = model.sharding_units() if isinstance(model, HetfairModel) else []
+        recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
+        planner = Planner(args, self.context, model, criterion, longest_sample_batches(self.train_data,
+                                                                                       self.task.collater),
+                          len(self.train_data), self.task.max_positions(), units,
+                          lambda params: recipe.build(args, params))
+        return planner.plan()
+
+    def _show_plan(self) -> None:
+        """The ``plan |`` table, where anything was ``auto`` or for ``--dry-run``."""
+        if not (self.plan.automatic or self.args.dry_run):
+            return
+        step = self.shape.step_size
+        split = self.balancer.split if self.balancer is not None else split_counts(step, self.caps, self.caps)
+        for line in self.plan.lines(self.caps, [count / step for count in split]):
+            self._notice(line)
+        if self.args.dry_run:
+            self._notice("dry run | the plan above; nothing was trained or written (drop --dry-run to train)")
 
     def _agree(self) -> JobFacts:
         """The one start-up exchange: every rank's precision and batch sizes; the shared settings checked."""
@@ -233,6 +275,7 @@ class TrainingRun:
         parts["batch"] = BatchPart(lambda: self.nominal_shape, self._restore_shape)
         if self.balancer is not None:
             parts["balance"] = BalancerPart(lambda: self.balancer, self._notice)
+        parts["plan"] = PlanPart(lambda: self.plan.summary(self.caps), self._notice)
         if self.trainer.loss_scaler is not None:
             parts["loss_scale"] = self.trainer.loss_scaler
         if self.comm_part is not None:

@@ -19,7 +19,7 @@ def run_script(*argv: str) -> subprocess.CompletedProcess:
                           env=subprocess_env(), timeout=300, check=False)
 
 
-def test_dry_run_checks_collectives_and_trains_in_every_precision() -> None:
+def test_dry_run_checks_collectives_trains_in_every_precision_and_probes() -> None:
     result = run_script("--dry-run")
     assert result.returncode == 0, result.stderr
     lines = result.stdout.splitlines()
@@ -33,6 +33,8 @@ def test_dry_run_checks_collectives_and_trains_in_every_precision() -> None:
         assert seq_s > 0 and 0 < first_loss < 10 and 0 < last_loss < 10 and skipped == 0, precision
         assert parse_size(fields[7]) > 0, precision  # the peak memory
     assert rows["fp32"][-2:] == ["seq/s", "(TF32)"] and rows["fp16"][-3] == "580"
+    [probe] = [line for line in lines if line.startswith("oom probe | ")]  # the plan's probe met its limit, then trained
+    assert " did not, under a budget 16M above the process's memory" in probe and "nothing left allocated" in probe
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is visible: the script would run for real")

@@ -32,6 +32,7 @@ LAYERS: list[tuple[str, ...]] = [
      "hetfair.memory_table"),  # their parts
     ("hetfair.balance", "hetfair.logging", "hetfair.data"),  # engine services
     ("hetfair.options", "hetfair.inventory"),  # the command line's options, --list-plugins
+    ("hetfair.plan",),  # the automatic per-device plan: probed micro-batches, precision, backend
     ("hetfair.bert", "hetfair.lm", "hetfair.hf_encoder"),  # hetfair's own plugin families (see PLUGIN_FAMILIES)
     ("hetfair.tasks",),  # the Task base class
     ("hetfair.models", "hetfair.criteria", "hetfair.optim"),  # component base classes and registries

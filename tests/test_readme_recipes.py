@@ -1,11 +1,13 @@
-"""The two-node recipes of the README and docs/multi-node.md (node A batch 48, node B batch 16) run as typed.
+"""The two-node recipes of the README (one command, ``auto`` batch sizes) and docs/multi-node.md (node A batch 48,
+node B batch 16) run as typed.
 
 Both "nodes" run on this machine. Over ``tcp://`` they are two bash shells running the README's
 code blocks: node A's prints the secret it makes, node B's reads it from its terminal (here:
 its standard input). The SLURM batch script runs in one bash whose ``srun`` starts the command
 twice with the environment srun gives the task of each of two nodes. Only what names the
 machines changes: ``nodeA:12345`` becomes 127.0.0.1 and a free port, the MNIST data a small
-directory of random images, ``plugins`` the repository's plugin directory.
+directory of random images, ``plugins`` the repository's plugin directory, and a CPU process's
+``--max-sentences auto`` gets the budget the README asks for without a GPU.
 """
 
 from __future__ import annotations
@@ -29,7 +31,8 @@ def readme_block(first_line: str) -> str:
 
 def on_this_machine(script: str, port: int, data: Path) -> str:
     for typed, here in (("nodeA:12345", f"127.0.0.1:{port}"), ("--distributed-port 12345", f"--distributed-port {port}"),
-                        ("--dataset fashion-mnist", f"--data {data}"), ("--user-dir plugins", f"--user-dir {PLUGIN_DIR}")):
+                        ("--dataset fashion-mnist", f"--data {data}"), ("--user-dir plugins", f"--user-dir {PLUGIN_DIR}"),
+                        ("--max-sentences auto", "--max-sentences auto --memory-budget 4G")):
         script = script.replace(typed, here)
     return script
 
@@ -51,12 +54,12 @@ def test_the_two_node_tcp_recipe_runs_as_typed(tmp_path):
     port = free_port()
     env = shell_env()
     node_a = subprocess.Popen(
-        ["bash", "-e", "-c", on_this_machine(readme_block("# node A: the job's secret, then rank 0 with batch 48"),
+        ["bash", "-e", "-c", on_this_machine(readme_block("# node A: the job's secret, then rank 0"),
                                              port, data)],
         cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     node_b = subprocess.Popen(
-        ["bash", "-e", "-c", on_this_machine(readme_block("# node B: the secret node A printed, then rank 1 with "
-                                                          "batch 16"), port, data)],
+        ["bash", "-e", "-c", on_this_machine(readme_block("# node B: the secret node A printed, then rank 1"),
+                                             port, data)],
         cwd=tmp_path, env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         secret = node_a.stdout.readline()
@@ -69,7 +72,8 @@ def test_the_two_node_tcp_recipe_runs_as_typed(tmp_path):
                 node.kill()
     assert node_a.returncode == 0, err_a
     assert node_b.returncode == 0, err_b
-    assert "per-rank batch rank 0: 48, rank 1: 16 |" in err_a, err_a
+    assert "plan | --ddp-backend c10d: every rank holds the model's state" in err_a, err_a
+    assert "per-rank batch rank 0: 72, rank 1: 72 |" in err_a, err_a  # both hold the 72 training images
     assert (tmp_path / "checkpoints" / "two-nodes" / "checkpoint_last.pt").exists()
 
 

@@ -7,7 +7,8 @@ for a batch of ``n`` samples, where ``speed`` is this rank's entry of
 computing makes processes of speeds 1:1:2:4 behave as such even on 2 shared CPU
 cores. ``--sim-change-at N --sim-speeds-after ...`` switches to other speeds after
 N training forward calls (one per update with ``--update-freq 1``), so a rank
-can slow down mid-run.
+can slow down mid-run. ``--sim-layers N`` adds N hidden ``Linear(hidden, hidden)`` layers, each a
+sharding unit of its own (a model that sharding shrinks, for the automatic plan's tests).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from hetfair import register_model, register_task
 from hetfair.errors import ConfigError
@@ -78,16 +80,24 @@ class SimulatedSpeed:
 
 @register_model("sim_mlp")
 class SimMLP(HetfairModel):
-    """``Linear(8, hidden) - Tanh - Linear(hidden, 3)`` on a device of simulated speed."""
+    """``Linear(8, hidden) - Tanh - Linear(hidden, 3)`` on a device of simulated speed, with ``layers`` more
+    ``Linear(hidden, hidden) - Tanh`` after the first."""
 
-    def __init__(self, hidden: int, device_speed: SimulatedSpeed) -> None:
+    def __init__(self, hidden: int, device_speed: SimulatedSpeed, layers: int = 0) -> None:
         super().__init__()
         self.net = blobs_mlp(hidden)
+        for index in range(layers):
+            self.net.insert(2 + 2 * index, nn.Linear(hidden, hidden))
+            self.net.insert(3 + 2 * index, nn.Tanh())
         self.device_speed = device_speed
+
+    def sharding_units(self) -> list[nn.Module]:
+        return [module for module in self.net[2:-1] if isinstance(module, nn.Linear)]
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--sim-hidden", type=int, default=16, help="hidden units")
+        parser.add_argument("--sim-layers", type=int, default=0, help="more Linear(hidden, hidden) layers")
         parser.add_argument("--sim-speeds", type=speed_list, default=[1.0], metavar="S0,S1,...",
                             help="relative speed of each rank")
         parser.add_argument("--sim-sample-ms", type=float, default=5.0, help="milliseconds per sample at speed 1")
@@ -100,7 +110,7 @@ class SimMLP(HetfairModel):
     @classmethod
     def build_model(cls, args: argparse.Namespace, task: Task) -> "SimMLP":
         rank = dist.get_rank() if dist.is_initialized() else 0
-        return cls(args.sim_hidden, SimulatedSpeed(args, rank))
+        return cls(args.sim_hidden, SimulatedSpeed(args, rank), args.sim_layers)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.training:

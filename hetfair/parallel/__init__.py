@@ -27,7 +27,10 @@ def check_strategy_options(config: ParallelConfig) -> None:
 
 
 def check_strategy_world(config: ParallelConfig, world_size: int) -> None:
-    """The chosen strategy can run on ``world_size`` processes (before any process starts)."""
+    """The chosen strategy can run on ``world_size`` processes (before any process starts); ``auto`` (the plan's
+    choice, :mod:`hetfair.plan`) can on any: it replicates a single process."""
+    if config.ddp_backend == "auto":
+        return
     STRATEGY_REGISTRY.get(config.ddp_backend).check_world(config, world_size)
 
 

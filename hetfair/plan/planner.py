@@ -1,0 +1,279 @@
+"""The job's plan: each rank's micro-batch, precision and the ``--ddp-backend``, agreed by every rank at start-up.
+
+Two exchanges (:func:`~hetfair.parallel.collectives.all_gather_json`), always both, so that every rank
+runs the same collectives whatever it was given: first each rank's device, budget and whether it holds
+the replicated state with room for a micro-batch (for ``--ddp-backend auto``), then, after each
+``auto`` rank probed its micro-batch (:mod:`hetfair.plan.probe`) for the chosen backend, each rank's
+row of the plan. ``--ddp-backend auto`` replicates (``c10d``) when every rank holds the model's whole
+state (parameters, gradients, optimizer state) and one micro-batch, else shards it
+(``fully_sharded``) in proportion to the budgets (:func:`hetfair.memory.budget.fractions_from_budgets`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional, Sequence
+
+import torch
+from torch import nn
+
+from hetfair.errors import ConfigError
+from hetfair.memory.budget import device_budget, fractions_from_budgets
+from hetfair.memory.peak import current_bytes
+from hetfair.memory.sizes import format_size
+from hetfair.parallel.collectives import all_gather_json
+from hetfair.parallel.config import parse_shard_fractions
+from hetfair.parallel.context import DistributedContext
+from hetfair.plan import AUTO
+from hetfair.plan.probe import SAFETY_MARGIN, MicroBatchProbe, ProbeResult
+from hetfair.plan.state import OptimizerFactory, StateSizes
+
+REPLICATED, SHARDED = "c10d", "fully_sharded"
+SIZE_FLAGS = ("max_sentences", "max_tokens")
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's row of the plan (JSON data: exchanged, shown, kept in the checkpoint)."""
+
+    device: str
+    memory: Optional[int]
+    """The device's memory in bytes (a CPU's: the machine's)."""
+    budget: Optional[int]
+    """What the plan held this rank to (``--memory-budget``; on CUDA by default its free memory), ``None``: none."""
+    precision: str
+    probed: Optional[int]
+    """The micro-batch the probe chose (``None``: given on the command line; 0: not even one sample fits)."""
+    why: str
+    probe_seconds: float = 0.0
+    probe_steps: int = 0
+    one_sample_bytes: int = 0
+
+
+@dataclass(frozen=True)
+class JobPlan:
+    """Every rank's row, the backend and the shard fractions (``None``: replicated or equal shards)."""
+
+    ranks: list[RankPlan]
+    backend: str
+    backend_why: str
+    fractions: Optional[tuple[float, ...]]
+    automatic: bool
+    """Whether any rank asked for something ``auto`` (then the plan is shown)."""
+
+    def lines(self, caps: Sequence[int], shares: Sequence[float]) -> list[str]:
+        """The ``plan |`` table: a header, a row per rank (its micro-batch ``caps[r]``, share of the global batch
+        ``shares[r]``), the backend and the probing time."""
+        rows = [("rank", "device", "memory", "budget", "precision", "micro-batch", "share", "shard", "why")]
+        for rank, row in enumerate(self.ranks):
+            shard = "whole" if self.backend == REPLICATED else "-" if self.backend != SHARDED else \
+                f"{self.fractions[rank] if self.fractions else 1 / len(self.ranks):.2f}"
+            rows.append((str(rank), row.device, _size(row.memory), _size(row.budget), row.precision, str(caps[rank]),
+                         f"{shares[rank]:.2f}", shard, row.why))
+        widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+        table = ["plan | " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+                 for row in rows]
+        table.append(f"plan | --ddp-backend {self.backend}: {self.backend_why}")
+        probed = [row for row in self.ranks if row.probed is not None]
+        if probed:
+            slowest = max(probed, key=lambda row: row.probe_seconds)
+            table.append(f"plan | probing took {slowest.probe_seconds:.1f} s on the slowest rank "
+                         f"({slowest.probe_steps} forward/backward steps, no optimizer step)")
+        return table
+
+    def summary(self, caps: Sequence[int]) -> dict[str, Any]:
+        """What the checkpoint keeps, and compares on resume (plain data)."""
+        return {"world_size": len(self.ranks), "backend": self.backend,
+                "fractions": list(self.fractions) if self.fractions else None, "micro_batches": list(caps),
+                "ranks": [asdict(row) for row in self.ranks]}
+
+
+class PlanPart:
+    """The plan as a checkpoint part: a resumed run makes its own plan and says how it differs from the saved one."""
+
+    def __init__(self, summary: Callable[[], dict[str, Any]], notice: Callable[[str], None]) -> None:
+        self.summary = summary
+        self.notice = notice
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.summary()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        now = self.summary()
+        changes = [f"{name.replace('_', ' ')} {state.get(key)} -> {now[key]}"
+                   for key, name in (("world_size", "world_size"), ("backend", "--ddp-backend"),
+                                     ("micro_batches", "micro-batches"), ("fractions", "shard fractions"))
+                   if state.get(key) != now[key]]
+        if changes:
+            self.notice("plan | the plan changed since the checkpoint: " + "; ".join(changes))
+
+
+class Planner:
+    """Makes one process's part of the :class:`JobPlan` (collectives: every rank must call :meth:`plan`)."""
+
+    def __init__(self, args: argparse.Namespace, context: DistributedContext, model: nn.Module,
+                 criterion: nn.Module, batch_of: Callable[[int], dict[str, Any]], samples: int,
+                 positions: Optional[int], units: Sequence[nn.Module], build_optimizer: OptimizerFactory) -> None:
+        self.args = args
+        self.context = context
+        self.model = model
+        self.samples = samples
+        self.positions = positions
+        self.auto_sizes = [dest for dest in SIZE_FLAGS if getattr(args, dest) == AUTO]
+        self.auto_backend = args.ddp_backend == AUTO
+        self.budget = args.memory_budget or _device_budget(context.device)
+        self._check_auto_sizes()
+        self.probing = plan_probes(args, context.world_size)
+        self.probe = MicroBatchProbe(model, criterion, batch_of, context.device, args.precision, self.budget)
+        self.sizes = StateSizes.of(model, units, build_optimizer) if self.probing else None
+
+    def plan(self) -> tuple[JobPlan, argparse.Namespace]:
+        """The job's plan, and this process's options with every ``auto`` replaced by the plan's choice."""
+        home = next(self.model.parameters()).device
+        if self.probing:
+            self.model.to(self.context.device)
+        try:
+            facts = all_gather_json(self.context, {"budget": self.budget, "fits": self._fits_replicated(),
+                                                   "auto": bool(self.auto_sizes) or self.auto_backend})
+            backend, why, fractions = self._backend([f["budget"] for f in facts], [f["fits"] for f in facts])
+            rows = [RankPlan(**row) for row in all_gather_json(self.context, asdict(self._own_row(backend, fractions)))]
+        finally:
+            self.model.to(home)  # a sharded strategy shards it before it moves to the device
+            if self.context.device.type == "cuda":
+                torch.cuda.empty_cache()
+        _refuse_too_small(rows)
+        plan = JobPlan(rows, backend, why, fractions, any(f["auto"] for f in facts))
+        return plan, self._resolved(plan)
+
+    # -- the backend -------------------------------------------------------------------
+    def _fits_replicated(self) -> bool:
+        """Whether this rank holds the replicated state and one micro-batch (its given one, else one sample)."""
+        if not (self.auto_backend and self.context.world_size > 1):
+            return True
+        assert self.sizes is not None
+        return self.probe.fits(self._given_capacity() or 1, self.sizes.reserve(None))[0]
+
+    def _backend(self, budgets: list[Optional[int]], fits: list[bool]) -> tuple[str, str, Optional[tuple[float, ...]]]:
+        """The backend, why, and the shard fractions (by budget when every rank has one)."""
+        if not self.auto_backend:
+            given = parse_shard_fractions(self.args.shard_fractions)
+            if self.args.ddp_backend == SHARDED and given is None:
+                return SHARDED, "as given", _fractions_by_budget(budgets)
+            return self.args.ddp_backend, "as given", given
+        if self.context.world_size == 1:
+            return REPLICATED, "one process, nothing to shard over", None
+        assert self.sizes is not None
+        state = format_size(self.sizes.replicated())
+        if all(fits):
+            return REPLICATED, (f"every rank holds the model's state ({state}: parameters, gradients, optimizer "
+                                f"state) and a micro-batch: replicated"), None
+        short = ", ".join(str(rank) for rank, fit in enumerate(fits) if not fit)
+        fractions = _fractions_by_budget(budgets)
+        split = "by memory budget" if fractions else "equally (not every rank has a budget)"
+        return SHARDED, (f"rank(s) {short} cannot hold the model's state ({state}: parameters, gradients, "
+                         f"optimizer state) and a micro-batch: sharded {split}"), fractions
+
+    # -- this rank's micro-batch ---------------------------------------------------------
+    def _own_row(self, backend: str, fractions: Optional[tuple[float, ...]]) -> RankPlan:
+        device = self.context.device
+        common = {"device": _device_name(device), "memory": _device_memory(device), "budget": self.budget,
+                  "precision": self.args.precision}
+        if not self.auto_sizes:
+            given = ", ".join(f"--{dest.replace('_', '-')} {getattr(self.args, dest)}" for dest in SIZE_FLAGS
+                              if getattr(self.args, dest) is not None)
+            return RankPlan(**common, probed=None, why=f"given ({given})")
+        assert self.sizes is not None
+        share = None
+        if backend == SHARDED:
+            share = fractions[self.context.rank] if fractions else 1 / self.context.world_size
+        upper = min(self.samples, self._given_capacity() or self.samples)
+        result = self.probe.largest(upper, self.sizes.reserve(share))
+        return RankPlan(**common, probed=result.micro_batch, why=_probe_why(result), probe_seconds=result.seconds,
+                        probe_steps=result.steps, one_sample_bytes=result.one_sample_bytes)
+
+    def _given_capacity(self) -> Optional[int]:
+        """Samples per micro-batch the numeric one of ``--max-sentences`` / ``--max-tokens`` allows, if any."""
+        sentences, tokens = self.args.max_sentences, self.args.max_tokens
+        bounds = [sentences] if isinstance(sentences, int) else []
+        if isinstance(tokens, int) and self.positions:
+            bounds.append(max(1, tokens // self.positions))
+        return min(bounds) if bounds else None
+
+    def _check_auto_sizes(self) -> None:
+        if "max_tokens" in self.auto_sizes and self.positions is None:
+            raise ConfigError(f"task '{self.args.task}' has no fixed sample length; use --max-sentences auto "
+                              f"instead of --max-tokens auto")
+        if self.auto_sizes and self.budget is None:
+            flag = "--" + self.auto_sizes[0].replace("_", "-")
+            raise ConfigError(f"{flag} auto on CPU needs --memory-budget SIZE (this process's memory, e.g. 8G): "
+                              f"a CPU has no device limit to probe against")
+
+    def _resolved(self, plan: JobPlan) -> argparse.Namespace:
+        own: dict[str, Any] = {}
+        probed = plan.ranks[self.context.rank].probed
+        if "max_sentences" in self.auto_sizes:
+            own["max_sentences"] = probed
+        if "max_tokens" in self.auto_sizes:
+            own["max_tokens"] = int(probed or 0) * int(self.positions or 0)
+        if self.auto_backend:
+            own["ddp_backend"] = plan.backend
+        if self.auto_backend and plan.backend == SHARDED and self.args.shard_fractions is None and plan.fractions:
+            own["shard_fractions"] = ",".join(map(repr, plan.fractions))
+        return argparse.Namespace(**{**vars(self.args), **own})
+
+
+def plan_probes(args: argparse.Namespace, world_size: int) -> bool:
+    """Whether the plan runs the whole model (``auto`` micro-batches, or ``--ddp-backend auto`` on several
+    ranks): the model must then be built whole, not deferred."""
+    return any(getattr(args, dest) == AUTO for dest in SIZE_FLAGS) or (args.ddp_backend == AUTO and world_size > 1)
+
+
+def _probe_why(result: ProbeResult) -> str:
+    if result.failed is None:
+        return f"probed: all {result.upper} samples fit ({result.steps} steps, {result.seconds:.1f} s)"
+    margin = f", {SAFETY_MARGIN:.0%} margin" if result.micro_batch < result.largest else ""
+    return f"probed: {result.largest} fit, {result.failed} did not ({result.steps} steps, {result.seconds:.1f} s" \
+           f"{margin})"
+
+
+def _fractions_by_budget(budgets: Sequence[Optional[int]]) -> Optional[tuple[float, ...]]:
+    """Shard fractions in proportion to the budgets when every rank has one, else ``None`` (equal shares)."""
+    if any(budget is None for budget in budgets):
+        return None
+    return fractions_from_budgets([float(budget) for budget in budgets])  # type: ignore[arg-type]
+
+
+def _refuse_too_small(rows: list[RankPlan]) -> None:
+    """One error, on every rank, naming the first rank where not even one sample fits its budget."""
+    for rank, row in enumerate(rows):
+        if row.probed == 0:
+            raise ConfigError(
+                f"rank {rank} ({row.device}) cannot train even one sample within its memory budget "
+                f"{_size(row.budget)} (one sample and the training state need {format_size(row.one_sample_bytes)}); "
+                f"give it a larger --memory-budget, shard the state (--ddp-backend auto) or leave it out of the job")
+
+
+def _device_budget(device: torch.device) -> Optional[int]:
+    """On CUDA, what this process may allocate: the device's free memory and what it holds already."""
+    free = device_budget(device)
+    return None if free is None else free + current_bytes(device)
+
+
+def _device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def _device_memory(device: torch.device) -> Optional[int]:
+    if device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError):
+        return None
+
+
+def _size(size: Optional[int]) -> str:
+    return "-" if size is None else format_size(size)
+

@@ -1,0 +1,170 @@
+"""The automatic plan: micro-batches probed against each process's memory budget, precision and backend
+chosen from the device, the ``plan |`` table, its checkpoint part and ``--dry-run``.
+
+Budgets on CPU are whole-process resident memory (docs/auto-plan.md): a ``hetfair-train`` rank of the
+simulated cluster holds about 300M before its first step, and each sample of ``--sim-hidden 65536`` about
+0.9M more, so 420M and 560M leave clearly different room. The cluster runs are real gloo processes of
+``benchmarks/simcluster`` (forward passes sleep by each rank's speed: rank 0 is four times slower).
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from helpers import REPO_ROOT, final_parameters, subprocess_env, train_command
+from hetfair.memory.peak import current_bytes
+from hetfair.plan.probe import MicroBatchProbe
+from hetfair.plan.state import optimizer_state_ratio
+
+SIMCLUSTER = REPO_ROOT / "benchmarks" / "simcluster"
+SEED, LR, TRAIN_SIZE, GLOBAL_BATCH, UPDATES = 5, 0.3, 200, 48, 5
+BUDGETS = "420M,560M"
+
+
+def hetfair_train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(train_command(*args), cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
+                          timeout=300)
+
+
+def sim_flags(save_dir: Path, *extra: str) -> list[str]:
+    return ["--user-dir", str(SIMCLUSTER), "--task", "sim", "--sim-train-size", str(TRAIN_SIZE),
+            "--sim-hidden", "65536", "--sim-speeds", "1,4", "--sim-sample-ms", "1", "--optimizer", "sgd",
+            "--lr", str(LR), "--seed", str(SEED), "--global-batch-size", str(GLOBAL_BATCH), "--auto-balance",
+            "--save-dir", str(save_dir), "--no-epoch-checkpoints", "--disable-validation", "--log-format", "simple",
+            "--distributed-timeout", "60", *extra]
+
+
+def plan_rows(stderr: str) -> list[dict[str, str]]:
+    """The per-rank rows of the ``plan |`` table, by column."""
+    lines = [line[len("plan | "):] for line in stderr.splitlines() if line.startswith("plan | ")]
+    header = [cell.strip() for cell in lines[0].split(" | ")]
+    rows = [[cell.strip() for cell in line.split(" | ")] for line in lines[1:] if line[:1].isdigit()]
+    return [dict(zip(header, row)) for row in rows]
+
+
+def plan_line(stderr: str, start: str) -> str:
+    return next(line for line in stderr.splitlines() if line.startswith(start))
+
+
+def run_auto(tmp_path: Path) -> tuple[subprocess.CompletedProcess, Path]:
+    save_dir = tmp_path / "auto"
+    result = hetfair_train(tmp_path, *sim_flags(save_dir, "--max-sentences", "auto", "--memory-budget", BUDGETS,
+                                                "--precision", "auto", "--ddp-backend", "auto",
+                                                "--distributed-world-size", "2", "--max-update", str(UPDATES)))
+    assert result.returncode == 0, result.stderr
+    return result, save_dir
+
+
+def test_budgets_give_their_own_micro_batches_and_train_as_the_hand_written_command(tmp_path):
+    auto, auto_dir = run_auto(tmp_path)
+    rows = plan_rows(auto.stderr)
+    small, large = (int(row["micro-batch"]) for row in rows)
+    assert 1 <= small < large and [row["budget"] for row in rows] == ["420.0M", "560.0M"]
+    assert [row["precision"] for row in rows] == ["fp32", "fp32"]  # --precision auto on CPU
+    assert all(row["why"].startswith("probed: ") for row in rows)
+    assert plan_line(auto.stderr, "plan | --ddp-backend ").startswith("plan | --ddp-backend c10d: every rank holds")
+    hand_dir = tmp_path / "hand"
+    hand = hetfair_train(tmp_path, *sim_flags(hand_dir, "--max-sentences", f"{small},{large}",
+                                              "--distributed-world-size", "2", "--max-update", str(UPDATES)))
+    assert hand.returncode == 0, hand.stderr
+    assert "plan | " not in hand.stderr  # nothing automatic: no table
+    expected, actual = final_parameters(hand_dir), final_parameters(auto_dir)
+    assert actual.keys() == expected.keys()
+    for name in expected:  # the same updates, their samples split otherwise: float summation order only
+        torch.testing.assert_close(actual[name], expected[name], rtol=1e-4, atol=1e-5, msg=name)
+    saved = torch.load(auto_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)["plan"]
+    assert saved["micro_batches"] == [small, large] and saved["backend"] == "c10d" and saved["world_size"] == 2
+
+    # an elastic resize: the same command on one process probes again and says what changed
+    shutil.copytree(auto_dir, tmp_path / "resized")
+    resized = hetfair_train(tmp_path, *sim_flags(tmp_path / "resized", "--max-sentences", "auto",
+                                                 "--memory-budget", "560M", "--ddp-backend", "auto",
+                                                 "--max-update", str(UPDATES + 1)))
+    assert resized.returncode == 0, resized.stderr
+    changed = plan_line(resized.stderr, "plan | the plan changed since the checkpoint: ")
+    assert "world size 2 -> 1" in changed and f"micro-batches [{small}, {large}] -> " in changed
+    assert len(plan_rows(resized.stderr)) == 1
+
+
+def test_auto_backend_shards_a_model_whose_state_fits_no_rank(tmp_path):
+    # 113M of parameters (P) in three 38M sharding units (U), Adam's two moments (O = 2P), about 300M before
+    # the first step: replicated needs 300M + P + P + O = 750M per process, sharded in halves
+    # 300M + P + P + O/2 + 2U - P = 600M; equal budgets of 680M
+    result = hetfair_train(tmp_path, "--user-dir", str(SIMCLUSTER), "--task", "sim", "--sim-train-size", "16",
+                           "--sim-hidden", "3072", "--sim-layers", "3", "--sim-speeds", "1,1", "--sim-sample-ms", "0",
+                           "--max-sentences", "2", "--memory-budget", "680M", "--ddp-backend", "auto",
+                           "--distributed-world-size", "2", "--max-update", "1", "--no-save", "--disable-validation",
+                           "--log-format", "simple", "--distributed-timeout", "60")
+    assert result.returncode == 0, result.stderr
+    assert plan_line(result.stderr, "plan | --ddp-backend ").startswith(
+        "plan | --ddp-backend fully_sharded: rank(s) 0, 1 cannot hold the model's state")
+    assert [row["shard"] for row in plan_rows(result.stderr)] == ["0.50", "0.50"]
+    assert "num_updates 1" in result.stderr  # trained on the sharded backend
+
+
+def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
+    save_dir, logdir = tmp_path / "checkpoints", tmp_path / "tensorboard"
+    result = hetfair_train(tmp_path, *sim_flags(save_dir, "--max-sentences", "auto", "--memory-budget", "2G",
+                                                "--max-update", "3", "--tensorboard-logdir", str(logdir),
+                                                "--dry-run"))
+    assert result.returncode == 0, result.stderr
+    assert plan_rows(result.stderr)[0]["micro-batch"] == str(TRAIN_SIZE)  # 2G holds the whole training set
+    assert "dry run | " in result.stderr and "train_inner" not in result.stderr and "done |" not in result.stderr
+    assert sorted(tmp_path.iterdir()) == []  # no checkpoint directory, no TensorBoard files
+
+
+def test_a_budget_too_small_for_one_sample_is_one_error_line(tmp_path):
+    result = hetfair_train(tmp_path, *sim_flags(tmp_path / "ckpt", "--max-sentences", "auto",
+                                                "--memory-budget", "64M", "--max-update", "1"))
+    assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
+    assert result.stderr.startswith("hetfair-train: error: rank 0 (cpu) cannot train even one sample within its "
+                                    "memory budget 64.0M")
+
+
+def test_auto_on_cpu_without_a_budget_is_one_error_line(tmp_path):
+    result = hetfair_train(tmp_path, *sim_flags(tmp_path / "ckpt", "--max-sentences", "auto", "--max-update", "1"))
+    assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
+    assert "--max-sentences auto on CPU needs --memory-budget SIZE" in result.stderr
+
+
+class _Normed(nn.Module):
+    """A model with a buffer a forward pass changes (batch-norm statistics) and a random op (dropout)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 4096), nn.Unflatten(1, (4, 1024)), nn.BatchNorm1d(4), nn.Dropout(0.5),
+                                 nn.Flatten(), nn.Linear(4096, 3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+def _criterion(model: nn.Module, batch: dict) -> tuple[torch.Tensor, int, dict]:
+    return model(batch["x"]).sum(), len(batch["x"]), {}
+
+
+def test_probing_leaves_parameters_buffers_and_generators_as_they_were():
+    torch.manual_seed(0)
+    model = _Normed()
+    before = {name: value.clone() for name, value in model.state_dict().items()}
+    rng = torch.get_rng_state()
+    probe = MicroBatchProbe(model, _criterion, lambda n: {"x": torch.randn(n, 8)}, torch.device("cpu"), "fp32",
+                            budget=current_bytes(torch.device("cpu")) + (64 << 20))
+    result = probe.largest(upper=100_000, reserve=0)
+    assert 2 <= result.largest < 100_000  # 64M of room: thousands of 16K samples, not 100,000
+    assert result.steps <= 2 * 17 + 1  # doubling then bisecting: 2 * ceil(log2(100,000)) + 1 at most
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert all(p.grad is None for p in model.parameters())
+    for name, value in model.state_dict().items():
+        assert torch.equal(value, before[name]), name
+
+
+def test_optimizer_state_is_measured_per_parameter_byte():
+    assert optimizer_state_ratio(lambda params: torch.optim.Adam(params)) == 2.0  # two moments
+    assert optimizer_state_ratio(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)) == 1.0
+    assert optimizer_state_ratio(lambda params: torch.optim.SGD(params, lr=0.1)) == 0.0
