@@ -161,14 +161,16 @@ def _fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+def load_checkpoint(path: Path, mmap: bool = False) -> dict[str, Any]:
     """Load a checkpoint with ``weights_only=True`` and migrate it to the current format.
 
-    Its tensors are memory-mapped (``mmap=True``, read-only for the file: written pages are the
+    With ``mmap`` its tensors are memory-mapped (read-only for the file: written pages are the
     process's own copies): a page is read when something reads it, so a sharded rank that keeps a
-    slice of each tensor reads (and holds) that slice only. Every checkpoint hetfair writes is a
-    ``torch.save`` zip archive, the format ``mmap`` needs, so checkpoints of earlier versions load
-    as they did (and are migrated as below).
+    slice of each tensor reads (and holds) that slice only. Only for a caller that copies what it
+    keeps before the file can change: a tensor still mapped when the file is rewritten in place
+    (``torch.save`` to the same path) kills the process with a bus error, so the default reads the
+    file whole. Every checkpoint hetfair writes is a ``torch.save`` zip archive, the format ``mmap``
+    needs, so checkpoints of earlier versions load as they did (and are migrated as below).
 
     Damage, a foreign file or a format from a newer hetfair becomes a :class:`CheckpointError`.
     """
@@ -178,7 +180,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise CheckpointError(f"{path} is not a hetfair checkpoint: not a torch.save archive (corrupt, truncated "
                               f"or another kind of file)")
     try:
-        state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        state = torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means a damaged file
         raise CheckpointError(
             f"checkpoint {path} is corrupt or not a hetfair checkpoint: {_load_failure(exc)}") from exc
@@ -389,7 +391,7 @@ class Checkpointer:
             if self.config.restore_file != DEFAULT_RESTORE_FILE:
                 raise ConfigError(f"--restore-file {path} does not exist")
             return None
-        state = load_checkpoint(path)
+        state = load_checkpoint(path, mmap=True)  # hetfair replaces checkpoints by renames, never in place
         try:
             for name, part in self.parts.items():
                 if name in state:

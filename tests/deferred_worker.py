@@ -57,7 +57,7 @@ def run_rank(rank: int, init_method: str, checkpoint: str, out_dir: str) -> None
         local = {name: param.to_local().clone() for name, param in model.named_parameters()}
 
         def restore() -> None:
-            strategy.load_model_state_dict(model, model_weights(load_checkpoint(Path(checkpoint))))
+            strategy.load_model_state_dict(model, model_weights(load_checkpoint(Path(checkpoint), mmap=True)))
 
         restored = growth(restore)
         loaded = {name: param.to_local().clone() for name, param in model.named_parameters()}

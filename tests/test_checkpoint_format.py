@@ -15,7 +15,7 @@ from hetfair.errors import CheckpointError
 from hetfair_cli.train import main as train_main
 
 DOCUMENTED_KEYS = {"format_version", "best_metric", "config", "trainer", "position", "clock", "epoch_stats", "batch",
-                   "rng"}
+                   "plan", "rng"}
 
 
 def toy_args(save_dir: Path, *extra: str) -> list[str]:

@@ -151,7 +151,7 @@ def _shaped(config: BertConfig, source: dict[str, Any], vocab_size: int, origin:
 def _from_checkpoint(path: str, config: BertConfig, vocab_size: int) -> tuple[BertConfig, dict[str, torch.Tensor]]:
     """Sizes and encoder (+ pooler) weights of a ``--task bert`` checkpoint; what is dropped is logged."""
     options = pretraining_options(path)
-    weights = model_weights(load_checkpoint(Path(path)))
+    weights = model_weights(load_checkpoint(Path(path), mmap=True))  # copied into the model as it is built
     shaped = _shaped(config, {**options, "vocab_size": weights["embeddings.word.weight"].shape[0]}, vocab_size,
                      f"--init-from-checkpoint {path}")
     kept = {k: v for k, v in weights.items() if k.startswith(ENCODER_PREFIXES) or k in POOLER}
