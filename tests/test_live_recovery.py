@@ -15,6 +15,7 @@ import signal
 import subprocess
 import sys
 import threading
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
 
@@ -70,18 +71,25 @@ class Process:
         return "\n".join(self.lines[-40:])
 
 
-@pytest.fixture
-def lighthouse() -> Iterator[str]:
+@contextmanager
+def lighthouse_process() -> Iterator[tuple[str, subprocess.Popen]]:
+    """A lighthouse on a free port of 127.0.0.1: its address and process."""
     proc = subprocess.Popen([sys.executable, "-m", "hetfair.live.lighthouse", "--port", "0", "--host", "127.0.0.1"],
                             env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         line = proc.stderr.readline()  # type: ignore[union-attr]
         port = re.search(r"listening on port (\d+)", line)
         assert port, line
-        yield f"tcp://127.0.0.1:{port.group(1)}"
+        yield f"tcp://127.0.0.1:{port.group(1)}", proc
     finally:
         proc.terminate()
         proc.wait(timeout=30)
+
+
+@pytest.fixture
+def lighthouse() -> Iterator[str]:
+    with lighthouse_process() as (address, _):
+        yield address
 
 
 class Job:
@@ -180,3 +188,40 @@ def test_a_stopped_rank_is_dropped_after_the_live_timeout_and_the_others_finish(
         job.close()  # the stopped rank is killed
     # 12 samples per update (3 x 4) from the first round on: the two survivors take two steps each
     assert_same(final_parameters(job.save_dir), reference_parameters(12, train_size=TRAIN_SIZE, updates=30))
+
+
+def _one_line_stop(process: Process, why: str, save_dir: Path, samples_per_update: int) -> None:
+    """``process`` ended with one ``hetfair-train: error:`` line naming ``why`` and a checkpoint that resumes exactly."""
+    assert process.proc.wait(timeout=WAIT) == 2, process.text()
+    errors = [line for line in process.lines if line.startswith("hetfair-train: error:")]
+    assert len(errors) == 1 and re.search(why + r": stopped after update \d+; saved .*checkpoint_last.pt", errors[0])
+    assert not any(line.startswith("Traceback") for line in process.lines), process.text()
+    updates = int(re.search(r"stopped after update (\d+)", errors[0]).group(1))  # type: ignore[union-attr]
+    assert load_checkpoint(save_dir / "checkpoint_last.pt")["trainer"]["num_updates"] == updates >= 5
+    expected = reference_parameters(samples_per_update, train_size=TRAIN_SIZE, updates=updates)
+    assert_same(final_parameters(save_dir), expected)
+
+
+def test_losing_a_majority_ends_the_job_with_one_line_and_a_checkpoint(tmp_path, lighthouse):
+    job = Job(tmp_path, lighthouse, STOPPED_TIMEOUT)
+    try:
+        ranks = job.by_rank([job.start(4) for _ in range(3)], 1)
+        ranks[0].wait_for(r"num_updates 5 ")
+        for lost in ranks[1:]:
+            lost.proc.kill()
+        _one_line_stop(ranks[0], r"lost a majority of the ranks \(1 of 3 came back in round 2\)", job.save_dir, 12)
+    finally:
+        job.close()
+
+
+def test_losing_the_lighthouse_ends_the_job_with_one_line_and_a_checkpoint(tmp_path):
+    with lighthouse_process() as (address, keeper):
+        job = Job(tmp_path, address, STOPPED_TIMEOUT, "--distributed-world-size", "2")
+        try:
+            ranks = job.by_rank([job.start(4) for _ in range(2)], 1)
+            ranks[0].wait_for(r"num_updates 5 ")
+            keeper.kill()
+            _one_line_stop(ranks[0], r"lost the lighthouse tcp://127.0.0.1:\d+ \(.*\)", job.save_dir, 8)
+            assert ranks[1].proc.wait(timeout=WAIT) == 2
+        finally:
+            job.close()

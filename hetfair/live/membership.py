@@ -137,8 +137,8 @@ class Membership:
 
     # -- what the training loop asks between updates ------------------------------------------
     def regroup_wanted(self) -> bool:
-        """A process waits in the next round (to join, or a member that lost contact)."""
-        return self.heartbeat.join_waiting
+        """A process waits in the next round (to join, or a member that lost contact), or the lighthouse is lost."""
+        return self.heartbeat.join_waiting or self.heartbeat.lost is not None
 
     def lighthouse_lost(self) -> Optional[str]:
         return self.heartbeat.lost

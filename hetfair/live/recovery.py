@@ -95,11 +95,11 @@ def _train_rounds(args: argparse.Namespace, membership: Membership, device: torc
             state = _share_state(group, state)
             _announce(group, state)
             if group.majority_lost:
-                _stop_for_lost_majority(args, context, group, state)
+                _save_and_stop(args, context, state, f"lost a majority of the ranks ({group.survivors} of "
+                                                     f"{group.previous_size} came back in round {group.round})")
             output = ProgressOutput(args.log_format, enabled=context.is_master)
             with output.showing_log_records():
-                run = TrainingRun(args, context, output, resume_state=state,
-                                  regroup_wanted=membership.regroup_wanted)
+                run = TrainingRun(args, context, output, resume_state=state, regroup_wanted=membership.regroup_wanted)
                 run.run()
             if context.is_master:
                 membership.finish()
@@ -107,7 +107,11 @@ def _train_rounds(args: argparse.Namespace, membership: Membership, device: torc
             dist.destroy_process_group()
             return
         except Regroup:
-            pass
+            lost = membership.lighthouse_lost()
+            if _on_any_rank(lost is not None, device):  # the group still works: every rank saves and stops
+                assert run is not None
+                _save_and_stop(args, context, run.checkpointer.state(),
+                               f"lost the lighthouse {args.distributed_init_method} ({lost or 'seen by another rank'})")
         except (RuntimeError, dist.DistError) as exc:
             if not looks_like_lost_peer(exc):
                 raise
@@ -149,18 +153,25 @@ def _leave_group() -> None:
         dist.destroy_process_group()
 
 
-def _stop_for_lost_majority(args: argparse.Namespace, context: DistributedContext, group: Group,
-                            state: Optional[dict[str, Any]]) -> None:
-    """Save the survivors' state as ``checkpoint_last.pt`` (the new rank 0 writes it) and end with one line."""
-    output = ProgressOutput("none", enabled=False)
-    run = TrainingRun(args, context, output, resume_state=state)
-    run.checkpointer.save(run.position.epoch, run.trainer.num_updates, end_of_epoch=False, valid_metric=None)
-    run.checkpointer.close()
-    saved = f"saved {run.checkpointer.config.save_dir / 'checkpoint_last.pt'}" \
-        if not run.checkpointer.config.no_save else "no checkpoint written (--no-save)"
-    raise DistributedError(f"lost a majority of the ranks ({group.survivors} of {group.previous_size} came back in "
-                           f"round {group.round}): stopped after update {run.trainer.num_updates}; {saved}; "
-                           f"run the same commands to resume")
+def _save_and_stop(args: argparse.Namespace, context: DistributedContext, state: Optional[dict[str, Any]],
+                   why: str) -> None:
+    """Save ``state`` as ``checkpoint_last.pt`` (rank 0 of the group writes it; every rank holds the same state)
+    and end with one line."""
+    run = TrainingRun(args, context, ProgressOutput("none", enabled=False), resume_state=state)
+    checkpointer = run.checkpointer
+    checkpointer.save(run.position.epoch, run.trainer.num_updates, end_of_epoch=False, valid_metric=None)
+    checkpointer.close()
+    saved = "no checkpoint written (--no-save)" if checkpointer.config.no_save else \
+        f"saved {checkpointer.config.save_dir / 'checkpoint_last.pt'}"
+    raise DistributedError(f"{why}: stopped after update {run.trainer.num_updates}; {saved}; with the lighthouse "
+                           f"up, run the same commands to resume")
+
+
+def _on_any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is true on some rank of the group (every rank gets the same answer)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
 
 
 def _progress(state: Optional[dict[str, Any]]) -> Optional[Progress]:
