@@ -23,6 +23,7 @@ import pytest
 
 from helpers import final_parameters, start, subprocess_env
 from hetfair.checkpoint import load_checkpoint
+from hetfair_cli.train import main as train_main
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
 TRAIN_SIZE = 100_000  # no epoch ends while the tests run
@@ -191,7 +192,8 @@ def test_a_stopped_rank_is_dropped_after_the_live_timeout_and_the_others_finish(
 
 
 def _one_line_stop(process: Process, why: str, save_dir: Path, samples_per_update: int) -> None:
-    """``process`` ended with one ``hetfair-train: error:`` line naming ``why`` and a checkpoint that resumes exactly."""
+    """``process`` ended with one ``hetfair-train: error:`` line naming ``why``, and its checkpoint holds the
+    parameters of an uninterrupted run of as many updates."""
     assert process.proc.wait(timeout=WAIT) == 2, process.text()
     errors = [line for line in process.lines if line.startswith("hetfair-train: error:")]
     assert len(errors) == 1 and re.search(why + r": stopped after update \d+; saved .*checkpoint_last.pt", errors[0])
@@ -225,3 +227,21 @@ def test_losing_the_lighthouse_ends_the_job_with_one_line_and_a_checkpoint(tmp_p
             assert ranks[1].proc.wait(timeout=WAIT) == 2
         finally:
             job.close()
+
+
+@pytest.mark.parametrize("flags,message", [
+    (("--ddp-backend", "fully_sharded"), "does not support --ddp-backend fully_sharded: a lost rank's parameter "
+                                         "shards cannot be rebuilt from the others"),
+    (("--ddp-backend", "diloco"), "does not support --ddp-backend diloco: the outer loop"),
+    (("--zero-sharding", "os"), "does not support --zero-sharding os: a lost rank's optimizer shard cannot be "
+                                "rebuilt from the others"),
+    (("--distributed-init-method", "file:///tmp/x"), "needs --distributed-init-method tcp://HOST:PORT, the address "
+                                                     "of the lighthouse"),
+    (("--max-sentences", "4,4"), "runs one process per command"),
+])
+def test_modes_live_recovery_cannot_keep_are_refused_in_one_line(tmp_path, capsys, flags, message):
+    args = toy_train_args(tmp_path / "ckpt", None, ("--fault-tolerance", "live", "--distributed-world-size", "2",
+                                                    "--distributed-init-method", "tcp://127.0.0.1:1", *flags))
+    assert train_main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("hetfair-train: error: --fault-tolerance live ") and message in err

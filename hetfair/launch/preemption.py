@@ -105,6 +105,7 @@ class StopAgreement:
     def poll(self) -> bool:
         """True on every rank at the same update boundary, one or two updates after some rank got a signal."""
         if not self.context.is_distributed:
+            self.regroup = self.regroup_wanted is not None and self.regroup_wanted()
             return _requested_by is not None
         if self._pending is not None:
             self._pending.wait()

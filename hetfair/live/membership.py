@@ -72,8 +72,9 @@ class Group:
 
     @property
     def majority_lost(self) -> bool:
-        """Half or fewer of the previous round's members came back: the job ends (with a checkpoint)."""
-        return self.previous_size > 0 and 2 * self.survivors <= self.previous_size
+        """Fewer than half of the previous round's members came back (a majority is lost): the job ends, with a
+        checkpoint. One lighthouse decides every round, so half of them going on cannot split the job in two."""
+        return 2 * self.survivors < self.previous_size
 
     def donor(self) -> Optional[int]:
         """The rank whose state is the newest (lowest rank among equals); ``None`` when no member has any."""
