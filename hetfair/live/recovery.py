@@ -80,7 +80,8 @@ def train_live(args: argparse.Namespace) -> None:
         with preemptible():
             _train_rounds(args, membership, device)
     except JobFinished:
-        print("hetfair-train: the job finished before this process could join it", file=sys.stderr, flush=True)
+        print("hetfair-train: the job at this lighthouse has ended; start a new lighthouse for a new run",
+              file=sys.stderr, flush=True)
     finally:
         membership.close()
 
@@ -95,6 +96,8 @@ def _train_rounds(args: argparse.Namespace, membership: Membership, device: torc
             state = _share_state(group, state)
             _announce(group, state)
             if group.majority_lost:
+                if context.is_master:
+                    membership.finish()  # the job has ended: a process that comes later must not train on
                 _save_and_stop(args, context, state, f"lost a majority of the ranks ({group.survivors} of "
                                                      f"{group.previous_size} came back in round {group.round})")
             output = ProgressOutput(args.log_format, enabled=context.is_master)
@@ -163,8 +166,8 @@ def _save_and_stop(args: argparse.Namespace, context: DistributedContext, state:
     checkpointer.close()
     saved = "no checkpoint written (--no-save)" if checkpointer.config.no_save else \
         f"saved {checkpointer.config.save_dir / 'checkpoint_last.pt'}"
-    raise DistributedError(f"{why}: stopped after update {run.trainer.num_updates}; {saved}; with the lighthouse "
-                           f"up, run the same commands to resume")
+    raise DistributedError(f"{why}: stopped after update {run.trainer.num_updates}; {saved}; start a new lighthouse "
+                           f"and the same commands to resume")
 
 
 def _on_any_rank(flag: bool, device: torch.device) -> bool:
