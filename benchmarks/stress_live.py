@@ -36,7 +36,7 @@ def main() -> None:
             (passed if outcome == "PASSED" else failed)[name] += 1
         print(f"run {run}: {'ok' if result.returncode == 0 else 'FAILED'}", file=sys.stderr, flush=True)
         if result.returncode != 0:
-            print(result.stdout[-4000:], file=sys.stderr)
+            print(result.stdout, file=sys.stderr)
     print(f"load average {os.getloadavg()[0]:.1f} (1 min) at the end")
     for name in sorted(set(passed) | set(failed)):
         print(f"{name}: {passed[name]} passed, {failed[name]} failed of {options.repeat}")

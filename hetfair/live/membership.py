@@ -227,6 +227,7 @@ class Membership:
         if first_alive is None or first_alive.uid != self.uid:
             return
         previous = self._decision(number - 1)
+        arrivals = [m for m in arrivals if m.uid == self.uid or self._alive(m.uid)]  # not one that died since
         arrived = {member.uid: member for member in arrivals}
         if previous is None:
             if len(arrivals) < self.initial_world_size:
