@@ -18,12 +18,12 @@ LR = 0.5
 
 
 def reference_parameters(update_size: int, clip_norm: float = 0.0, train_size: int = TRAIN_SIZE,
-                         updates: Optional[int] = None) -> dict[str, torch.Tensor]:
+                         updates: Optional[int] = None, lr: float = LR) -> dict[str, torch.Tensor]:
     """Plain PyTorch: SGD on mean cross-entropy over consecutive chunks of each epoch's order
     (``EPOCHS`` epochs, or the first ``updates`` updates)."""
     torch.manual_seed(SEED)
     model = ToyMLP(hidden=16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
     data = Blobs(train_size, seed=0)
     done = 0
     for epoch in range(1, EPOCHS + 1):

@@ -131,6 +131,7 @@ class Membership:
         self.uid = uuid.uuid4().hex
         self.initial_world_size = initial_world_size
         self.timeout = timeout
+        self.live_timeout = live_timeout
         self.stale_seconds = min(STALE_SECONDS, live_timeout)
         self.group: Optional[Group] = None
         self.heartbeat = Heartbeat(host, port, self.uid, timeout)
@@ -157,7 +158,7 @@ class Membership:
         latest = int(self.store.add("latest", 0))
         number = max(latest, self.group.round if self.group else 0) + 1
         self._arrive(number, progress)
-        deadline = time.monotonic() + self.timeout
+        deadline = time.monotonic() + self.timeout + self.live_timeout  # a member may be stuck in a collective
         while True:
             decision = self._decision(number)
             if decision is not None:
@@ -172,7 +173,8 @@ class Membership:
             self._close_if_due(number)
             if time.monotonic() > deadline:
                 raise DistributedError(f"membership round {number} did not close within --distributed-timeout "
-                                       f"{self.timeout:g}s; check that every process reaches the lighthouse")
+                                       f"{self.timeout:g}s (+ --live-timeout); check that every process reaches "
+                                       f"the lighthouse")
             time.sleep(_POLL_SECONDS)
 
     def _arrive(self, number: int, progress: Optional[Progress]) -> None:

@@ -146,20 +146,11 @@ def _share_state(group: Group, own: Optional[dict[str, Any]]) -> Optional[dict[s
     return carrier[0] if group.rank in receivers else own
 
 
-_LEFT_GROUPS: list[Any] = []
-"""Every process group left behind, kept referenced. A group's destructor waits, holding the GIL, for its
-collectives still in flight (those that wait for the lost peer, until ``--live-timeout``): run at some
-later garbage collection, it would freeze this process, heartbeat thread included, and its peers would
-take it for dead. A few gloo groups per membership change cost far less."""
-
-
 def _leave_group() -> None:
     """Drop a group whose peer is gone (no barrier: it would wait for that peer)."""
     if dist.is_initialized():
-        group = dist.group.WORLD
-        _LEFT_GROUPS.append(group)
         try:
-            group.abort()  # type: ignore[union-attr]
+            dist.group.WORLD.abort()  # type: ignore[union-attr]
         except RuntimeError:
             pass
         dist.destroy_process_group()
