@@ -78,7 +78,9 @@ def train_live(args: argparse.Namespace) -> None:
                             args.live_timeout)
     try:
         with preemptible():
-            _train_rounds(args, membership, device)
+            left_groups = _train_rounds(args, membership, device)
+        if left_groups:
+            _exit_past_left_groups()
     except JobFinished:
         print("hetfair-train: the job at this lighthouse has ended; start a new lighthouse for a new run",
               file=sys.stderr, flush=True)
@@ -86,8 +88,19 @@ def train_live(args: argparse.Namespace) -> None:
         membership.close()
 
 
-def _train_rounds(args: argparse.Namespace, membership: Membership, device: torch.device) -> None:
+def _exit_past_left_groups() -> None:
+    """End the process now that training is done and saved, without the interpreter's teardown: a group left
+    behind after a lost peer may still run a gloo thread on a collective with that peer, and destroying it at
+    exit aborts the process (SIGABRT), which a job script would take for a failure."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
+
+
+def _train_rounds(args: argparse.Namespace, membership: Membership, device: torch.device) -> int:
+    """Train through the rounds; the number of groups left behind on the way."""
     state: Optional[dict[str, Any]] = None
+    left = 0
     while True:
         group = membership.next_group(_progress(state))
         run: Optional[TrainingRun] = None
@@ -108,7 +121,7 @@ def _train_rounds(args: argparse.Namespace, membership: Membership, device: torc
                 membership.finish()
             dist.barrier()
             dist.destroy_process_group()
-            return
+            return left
         except Regroup:
             lost = membership.lighthouse_lost()
             if _on_any_rank(lost is not None, device):  # the group still works: every rank saves and stops
@@ -123,6 +136,7 @@ def _train_rounds(args: argparse.Namespace, membership: Membership, device: torc
             state = run.checkpointer.state()
         del run
         _leave_group()
+        left += 1
         gc.collect()
 
 
