@@ -393,16 +393,25 @@ class Checkpointer:
             return None
         state = load_checkpoint(path, mmap=True)  # hetfair replaces checkpoints by renames, never in place
         try:
-            for name, part in self.parts.items():
-                if name in state:
-                    part.load_state_dict(state[name])
+            self.load(state)
         except CheckpointError as exc:
             raise CheckpointError(f"cannot resume from {self._describe_restore(path)}: {exc}"
                                   f"{self._arch_note(state)}; {self._fresh_start_hint(path)}") from exc
-        self.best_metric = state.get("best_metric")
         if path == self.config.save_dir / DEFAULT_RESTORE_FILE:
             self.last_saved_update = state[TRAINER].get("num_updates")
         return path
+
+    def state(self) -> dict[str, Any]:
+        """Every part's state and the best metric, in memory: what live recovery hands from rank to rank
+        (local on every rank where the optimizer state is not sharded)."""
+        return {**{name: part.state_dict() for name, part in self.parts.items()}, "best_metric": self.best_metric}
+
+    def load(self, state: Mapping[str, Any]) -> None:
+        """Load a checkpoint's (or :meth:`state`'s) parts; a part it lacks keeps its fresh state."""
+        for name, part in self.parts.items():
+            if name in state:
+                part.load_state_dict(state[name])
+        self.best_metric = state.get("best_metric")
 
     def _describe_restore(self, path: Path) -> str:
         if self.config.restore_file == DEFAULT_RESTORE_FILE:

@@ -247,6 +247,14 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     _option(group, "--distributed-timeout", type=float, default=600.0, metavar="SECONDS",
             bounds=Bounds(0.0, open_minimum=True, says="must be a positive number of seconds"),
             help="give up when a rank is lost or a collective stalls this long")
+    group.add_argument("--fault-tolerance", choices=("none", "live"), default="none",
+                       help="live: when a rank dies or leaves, the others agree on the new membership and go on "
+                            "from their own state, and a rank that joins gets the state from a live peer (no "
+                            "restart, no checkpoint read; the ranks meet at a lighthouse, see docs/elastic.md)")
+    _option(group, "--live-timeout", type=float, default=10.0, metavar="SECONDS",
+            bounds=Bounds(0.0, open_minimum=True, says="must be a positive number of seconds"),
+            help="with --fault-tolerance live: a rank that stops answering (no heartbeat, or a collective "
+                 "waiting for it) this long is dropped and the others go on without it")
     group.add_argument("--fast-stat-sync", action="store_true",
                        help="accepted for HetSeq compatibility: stats are always synced in one "
                             "all-reduce when they can be summed")

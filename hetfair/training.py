@@ -7,7 +7,7 @@ import math
 import signal
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -135,16 +135,26 @@ def train(args: argparse.Namespace, context: DistributedContext) -> None:
             run.run()
 
 
+class Regroup(Exception):
+    """Live recovery: every rank left the loop at the same update boundary to let the membership change."""
+
+
 class TrainingRun:
     """One process's training run: set-up, the epoch/update loop, validation and checkpoints as scheduled.
 
     The loop reads its :class:`RunConfig` sections; ``args`` go to the components (task, model,
-    criterion, optimizer, schedule) and, as plain data, into checkpoints.
+    criterion, optimizer, schedule) and, as plain data, into checkpoints. Live recovery
+    (:mod:`hetfair.live`) builds one per membership: ``resume_state`` (:meth:`Checkpointer.state` of a
+    run before) replaces the checkpoint file, and when ``regroup_wanted`` turns true on any rank every
+    rank raises :class:`Regroup` after the same update.
     """
 
     def __init__(self, args: argparse.Namespace, context: DistributedContext,
-                 progress: Optional[Progress] = None) -> None:
+                 progress: Optional[Progress] = None, resume_state: Optional[dict[str, Any]] = None,
+                 regroup_wanted: Optional[Callable[[], bool]] = None) -> None:
         args = argparse.Namespace(**{**vars(args), "precision": resolved_precision(args.precision, context.device)})
+        self.resume_state = resume_state
+        self._regroup_wanted = regroup_wanted
         self.context = context
         self.progress = progress or Progress(args.log_format, enabled=context.is_master)
         seed_everything(args.seed)
@@ -196,7 +206,7 @@ class TrainingRun:
         self.checkpointer = Checkpointer(config.checkpoint, self._checkpoint_parts(),
                                          plain_config(args), context.is_master)
         self._shards_to_report = True  # after the first update, if the strategy has any
-        self.preemption = StopAgreement(context)
+        self.preemption = StopAgreement(context, self._regroup_wanted)
         self.preempted = False  # every rank agreed to save and stop after the current update
         self._check_best_metric_exists()
         self.restored_from = self._restore()
@@ -357,17 +367,24 @@ class TrainingRun:
             end_of_epoch = self.position.samples_done >= len(self.train_data)
             skipped = self.trainer.num_updates == updates_before
             if skipped and not self.preempted:  # skipped (fp16 overflow): nothing new is due
+                self._regroup_if_wanted()
                 if end_of_epoch:
                     break
                 continue
             stopping = self.should_stop()
             self.after_update(stopping, end_of_epoch)
+            if not stopping:
+                self._regroup_if_wanted()
             if end_of_epoch:
                 break  # end_epoch() logs the epoch, validates and saves
             if stopping:
                 return
         self.progress.end_epoch()
         self.end_epoch()
+
+    def _regroup_if_wanted(self) -> None:
+        if self.preemption.regroup:
+            raise Regroup()
 
     def _epoch_updates(self) -> EpochUpdates:
         schedule = EpochSchedule(self.caps, self.shape, self.config.loop.seed)
@@ -511,7 +528,11 @@ class TrainingRun:
 
     # -- checkpoints --------------------------------------------------------------------
     def _restore(self) -> Optional[Path]:
-        """Resume from the checkpoint, if any; say so, and which optimizer settings the command line changed."""
+        """Resume from the checkpoint, if any; say so, and which optimizer settings the command line changed.
+        With a ``resume_state`` (live recovery) from that, silently: the live driver says where it came from."""
+        if self.resume_state is not None:
+            self.checkpointer.load(self.resume_state)
+            return None
         path = self.checkpointer.restore()
         if path is None:
             self._say_what_no_save_leaves_alone()

@@ -18,6 +18,11 @@ def _main(argv: list[str]) -> int:
     from hetfair.training import check_before_start, train
 
     check_before_start(args)
+    if args.fault_tolerance == "live":
+        from hetfair.live.recovery import train_live
+
+        train_live(args)
+        return 0
     launch(args, train)
     return 0
 

@@ -26,6 +26,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair.classification",),  # a plugin family on the public API and the BERT family (see PLUGIN_FAMILIES)
     ("hetfair",),  # the public API: hetfair.register_*, hetfair.load_model (imported lazily)
     ("hetfair.lm.generate",),  # sampling from a checkpoint (hetfair.load_model) of the lm family
+    ("hetfair.live",),  # live recovery: a training loop per membership round
     ("hetfair.training", "hetfair.evaluate", "hetfair.pretrained"),  # the training loop, hetfair-validate's program
     ("hetfair.checkpoint", "hetfair.checkpoint_writer", "hetfair.trainer", "hetfair.validation",
      "hetfair.run_state", "hetfair.startup", "hetfair.run_config", "hetfair.memory_plan",

@@ -17,15 +17,21 @@ TRAIN_SIZE = 200  # not a multiple of 32 or 64: the last global batch is partial
 LR = 0.5
 
 
-def reference_parameters(update_size: int, clip_norm: float = 0.0) -> dict[str, torch.Tensor]:
-    """Plain PyTorch: SGD on mean cross-entropy over consecutive chunks of each epoch's order."""
+def reference_parameters(update_size: int, clip_norm: float = 0.0, train_size: int = TRAIN_SIZE,
+                         updates: Optional[int] = None, lr: float = LR) -> dict[str, torch.Tensor]:
+    """Plain PyTorch: SGD on mean cross-entropy over consecutive chunks of each epoch's order
+    (``EPOCHS`` epochs, or the first ``updates`` updates)."""
     torch.manual_seed(SEED)
     model = ToyMLP(hidden=16)
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    data = Blobs(TRAIN_SIZE, seed=0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=lr)
+    data = Blobs(train_size, seed=0)
+    done = 0
     for epoch in range(1, EPOCHS + 1):
-        order = np.random.default_rng([SEED, epoch]).permutation(TRAIN_SIZE)
-        for start in range(0, TRAIN_SIZE, update_size):
+        order = np.random.default_rng([SEED, epoch]).permutation(train_size)
+        for start in range(0, train_size, update_size):
+            if updates is not None and done == updates:
+                return model.state_dict()
+            done += 1
             indices = torch.as_tensor(order[start : start + update_size])
             optimizer.zero_grad()
             loss = F.cross_entropy(model(data.inputs[indices]), data.labels[indices])

@@ -224,7 +224,7 @@ def _train_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn
         raise
     except (RuntimeError, dist.DistBackendError) as exc:
         # no orderly group shutdown here: it would wait for the peer that is gone
-        if _looks_like_lost_peer(exc):
+        if looks_like_lost_peer(exc):
             raise DistributedError(
                 f"rank {context.rank} lost contact with the other ranks ({first_line(exc)}); "
                 f"a process probably died or stalled longer than --distributed-timeout"
@@ -285,7 +285,7 @@ def _init_process_group(backend: str, rank: int, plan: LaunchPlan, timeout: floa
         dist.init_process_group(backend, rank=rank, world_size=plan.world_size, timeout=timedelta(seconds=timeout),
                                 **rendezvous)
     except (RuntimeError, dist.DistBackendError) as exc:
-        if not _looks_like_lost_peer(exc):
+        if not looks_like_lost_peer(exc):
             raise
         raise DistributedError(
             f"rank {rank} could not connect to the other ranks over {backend} ({first_line(exc)}); "
@@ -321,7 +321,7 @@ def gpu_index(device_id: int | tuple[int, ...], list_index: int, local_rank: int
 _LOST_PEER_MARKERS = ("connection", "timed out", "timeout", "closed", "reset by peer", "broken pipe", "gloo", "nccl")
 
 
-def _looks_like_lost_peer(exc: BaseException) -> bool:
+def looks_like_lost_peer(exc: BaseException) -> bool:
     text = str(exc).lower()
     return any(marker in text for marker in _LOST_PEER_MARKERS)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 import signal
 import threading
 from contextlib import contextmanager
-from typing import Any, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 import torch.distributed as dist
@@ -89,24 +89,34 @@ def _stopped_by(signum: int, exc: BaseException) -> Interrupted:
 
 
 class StopAgreement:
-    """Whether every rank stops after this update: a collective, polled once per update on every rank."""
+    """Whether every rank stops after this update: a collective, polled once per update on every rank.
 
-    def __init__(self, context: DistributedContext) -> None:
+    ``regroup_wanted`` (live recovery) rides on the same all-reduce: when it is true on some rank,
+    :attr:`regroup` turns true on every rank at the same boundary.
+    """
+
+    def __init__(self, context: DistributedContext, regroup_wanted: Optional[Callable[[], bool]] = None) -> None:
         self.context = context
+        self.regroup_wanted = regroup_wanted
+        self.regroup = False
         self._flag: Optional[torch.Tensor] = None
         self._pending: Optional[dist.Work] = None
 
     def poll(self) -> bool:
         """True on every rank at the same update boundary, one or two updates after some rank got a signal."""
         if not self.context.is_distributed:
+            self.regroup = self.regroup_wanted is not None and self.regroup_wanted()
             return _requested_by is not None
         if self._pending is not None:
             self._pending.wait()
             self._pending = None
             assert self._flag is not None
-            if self._flag.item():
-                return True
-        self._flag = torch.tensor([int(_requested_by is not None)], dtype=torch.int32, device=self.context.device)
+            stop, self.regroup = (bool(value) for value in self._flag.tolist())
+            if stop or self.regroup:
+                return stop
+        wanted = self.regroup_wanted is not None and self.regroup_wanted()
+        self._flag = torch.tensor([int(_requested_by is not None), int(wanted)], dtype=torch.int32,
+                                  device=self.context.device)
         self._pending = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, async_op=True)
         return False
 

@@ -1,0 +1,1 @@
+"""Live recovery (``--fault-tolerance live``): lost and joining ranks without a restart."""

@@ -1,0 +1,214 @@
+"""``--fault-tolerance live``: one process trains through membership changes without a restart.
+
+Each membership round (:mod:`hetfair.live.membership`) gets a new default process group under its own
+store prefix, and a new :class:`~hetfair.training.TrainingRun` on it (in this process: no restart, no
+checkpoint read). What carries over is the run's in-memory state, :meth:`Checkpointer.state`:
+parameters, optimizer state, schedule, data position, loss scale, balancer, clock. A rank whose state
+is not the newest (a joiner, or a survivor that had not finished the update the others finished) gets
+the donor's by one broadcast; the others keep their own.
+
+An update in flight when a peer is lost is dropped: its collectives fail (a dead peer's connection
+closes, a stopped one makes them time out after ``--live-timeout``) before the optimizer steps, so the
+state is the one after the last finished update, and the new group trains that update's samples again.
+The global batch (``batch`` part) is kept, and an update is the same sum over its samples however they
+are split over ranks and steps, so the run ends with the parameters of an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import sys
+from datetime import timedelta
+from typing import Any, Optional
+
+import torch
+import torch.distributed as dist
+
+from hetfair.errors import ConfigError, DistributedError
+from hetfair.launch.launcher import looks_like_lost_peer
+from hetfair.launch.network import choose_interface, use_interface
+from hetfair.launch.preemption import preemptible
+from hetfair.launch.rendezvous import parse_init_method
+from hetfair.live.membership import Group, JobFinished, Membership, Progress, say
+from hetfair.logging.progress import Progress as ProgressOutput
+from hetfair.parallel import ParallelConfig
+from hetfair.parallel.context import DistributedContext
+from hetfair.plugins import import_user_dir
+from hetfair.training import Regroup, TrainingRun
+
+REFUSED_BACKENDS = {
+    "fully_sharded": "a lost rank's parameter shards cannot be rebuilt from the others",
+    "hybrid_sharded": "a lost rank's parameter shards cannot be rebuilt from the others",
+    "localsgd": "the outer loop's rounds would need their own recovery",
+    "diloco": "the outer loop's rounds would need their own recovery",
+}
+
+
+def check_live_options(args: argparse.Namespace) -> None:
+    """Refuse, in one line each, what live recovery cannot keep exact."""
+    config = ParallelConfig.from_args(args)
+    why = REFUSED_BACKENDS.get(config.ddp_backend)
+    if why:
+        raise ConfigError(f"--fault-tolerance live does not support --ddp-backend {config.ddp_backend}: {why}; "
+                          f"use --ddp-backend c10d, or --fault-tolerance none with torchrun's restarts")
+    if config.zero_sharding != "none":
+        raise ConfigError("--fault-tolerance live does not support --zero-sharding os: a lost rank's optimizer "
+                          "shard cannot be rebuilt from the others; drop --zero-sharding")
+    init = args.distributed_init_method or ""
+    if not init.startswith("tcp://"):
+        raise ConfigError("--fault-tolerance live needs --distributed-init-method tcp://HOST:PORT, the address of "
+                          "the lighthouse (start it with: python -m hetfair.live.lighthouse --port PORT)")
+    if (args.distributed_gpus or 1) != 1 or isinstance(args.max_sentences, tuple):
+        raise ConfigError("--fault-tolerance live runs one process per command: give --distributed-gpus 1 and one "
+                          "--max-sentences value, and start one command per process")
+
+
+def train_live(args: argparse.Namespace) -> None:
+    """Train as one process of a live job, through every membership change, until the job ends."""
+    check_live_options(args)
+    if args.user_dir:
+        import_user_dir(args.user_dir)
+    address = parse_init_method(args.distributed_init_method, os.environ)
+    device = _device(args)
+    use_interface(choose_interface(args.distributed_interface, address), device,
+                  override=args.distributed_interface is not None)
+    membership = Membership(address.host, address.port, args.distributed_world_size, args.distributed_timeout,
+                            args.live_timeout)
+    try:
+        with preemptible():
+            left_groups = _train_rounds(args, membership, device)
+        if left_groups:
+            _exit_past_left_groups()
+    except JobFinished:
+        print("hetfair-train: the job at this lighthouse has ended; start a new lighthouse for a new run",
+              file=sys.stderr, flush=True)
+    finally:
+        membership.close()
+
+
+def _exit_past_left_groups() -> None:
+    """End the process now that training is done and saved, without the interpreter's teardown: a group left
+    behind after a lost peer may still run a gloo thread on a collective with that peer, and destroying it at
+    exit aborts the process (SIGABRT), which a job script would take for a failure."""
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    os._exit(0)
+
+
+def _train_rounds(args: argparse.Namespace, membership: Membership, device: torch.device) -> int:
+    """Train through the rounds; the number of groups left behind on the way."""
+    state: Optional[dict[str, Any]] = None
+    left = 0
+    while True:
+        group = membership.next_group(_progress(state))
+        run: Optional[TrainingRun] = None
+        try:
+            context = _form_group(group, membership, args, device)
+            state = _share_state(group, state)
+            _announce(group, state)
+            if group.majority_lost:
+                if context.is_master:
+                    membership.finish()  # the job has ended: a process that comes later must not train on
+                _save_and_stop(args, context, state, f"lost a majority of the ranks ({group.survivors} of "
+                                                     f"{group.previous_size} came back in round {group.round})")
+            output = ProgressOutput(args.log_format, enabled=context.is_master)
+            with output.showing_log_records():
+                run = TrainingRun(args, context, output, resume_state=state, regroup_wanted=membership.regroup_wanted)
+                run.run()
+            if context.is_master:
+                membership.finish()
+            dist.barrier()
+            dist.destroy_process_group()
+            return left
+        except Regroup:
+            lost = membership.lighthouse_lost()
+            if _on_any_rank(lost is not None, device):  # the group still works: every rank saves and stops
+                assert run is not None
+                _save_and_stop(args, context, run.checkpointer.state(),
+                               f"lost the lighthouse {args.distributed_init_method} ({lost or 'seen by another rank'})")
+        except (RuntimeError, dist.DistError) as exc:
+            if not looks_like_lost_peer(exc):
+                raise
+            say(f"round {group.round}: lost contact ({str(exc).splitlines()[0][:120]}); agreeing on the members")
+        if run is not None:
+            state = run.checkpointer.state()
+        del run
+        _leave_group()
+        left += 1
+        gc.collect()
+
+
+def _form_group(group: Group, membership: Membership, args: argparse.Namespace,
+                device: torch.device) -> DistributedContext:
+    """The round's default process group, its collectives timing out after ``--live-timeout``."""
+    backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
+    dist.init_process_group(backend, store=dist.PrefixStore(f"r{group.round}/pg", membership.store),
+                            rank=group.rank, world_size=group.world_size,
+                            timeout=timedelta(seconds=args.live_timeout))
+    return DistributedContext(rank=group.rank, world_size=group.world_size, local_rank=0, device=device)
+
+
+def _share_state(group: Group, own: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
+    """The state this rank trains on: its own, or the donor's when its own is not the newest (one broadcast)."""
+    donor, receivers = group.donor(), group.receivers()
+    if donor is None or not receivers:
+        return own
+    carrier = [own if group.rank == donor else None]
+    dist.broadcast_object_list(carrier, src=donor)
+    return carrier[0] if group.rank in receivers else own
+
+
+def _leave_group() -> None:
+    """Drop a group whose peer is gone (no barrier: it would wait for that peer)."""
+    if dist.is_initialized():
+        try:
+            dist.group.WORLD.abort()  # type: ignore[union-attr]
+        except RuntimeError:
+            pass
+        dist.destroy_process_group()
+
+
+def _save_and_stop(args: argparse.Namespace, context: DistributedContext, state: Optional[dict[str, Any]],
+                   why: str) -> None:
+    """Save ``state`` as ``checkpoint_last.pt`` (rank 0 of the group writes it; every rank holds the same state)
+    and end with one line."""
+    run = TrainingRun(args, context, ProgressOutput("none", enabled=False), resume_state=state)
+    checkpointer = run.checkpointer
+    checkpointer.save(run.position.epoch, run.trainer.num_updates, end_of_epoch=False, valid_metric=None)
+    checkpointer.close()
+    saved = "no checkpoint written (--no-save)" if checkpointer.config.no_save else \
+        f"saved {checkpointer.config.save_dir / 'checkpoint_last.pt'}"
+    raise DistributedError(f"{why}: stopped after update {run.trainer.num_updates}; {saved}; start a new lighthouse "
+                           f"and the same commands to resume")
+
+
+def _on_any_rank(flag: bool, device: torch.device) -> bool:
+    """Whether ``flag`` is true on some rank of the group (every rank gets the same answer)."""
+    value = torch.tensor([int(flag)], dtype=torch.int32, device=device)
+    dist.all_reduce(value, op=dist.ReduceOp.MAX)
+    return bool(value.item())
+
+
+def _progress(state: Optional[dict[str, Any]]) -> Optional[Progress]:
+    if state is None:
+        return None
+    return int(state["position"]["epoch"]), int(state["position"]["samples_done"]), int(state["trainer"]["num_updates"])
+
+
+def _announce(group: Group, state: Optional[dict[str, Any]]) -> None:
+    progress = _progress(state)
+    at = f"update {progress[2]}" if progress else "the start"
+    donor = group.donor()
+    source = f", state of rank {donor}" if donor is not None and group.rank in group.receivers() else ""
+    say(f"round {group.round}: rank {group.rank} of {group.world_size} ({group.survivors} of "
+         f"{group.previous_size} kept) from {at}{source}")
+
+
+def _device(args: argparse.Namespace) -> torch.device:
+    if args.cpu or not torch.cuda.is_available():
+        return torch.device("cpu")
+    index = args.device_id[0] if isinstance(args.device_id, tuple) else args.device_id
+    torch.cuda.set_device(index)
+    return torch.device("cuda", index)
