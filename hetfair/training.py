@@ -191,6 +191,9 @@ class TrainingRun:
             self._check_criterion(self.trainer.model, self.trainer.criterion, move_to_device(dummy, context.device), args)
         self._check_memory_fit(param_bytes, job.budgets)
         self._memory_to_report: Optional[FirstUpdateMemory] = None  # the first update's, once it runs
+        self._memory_table_wanted = context.world_size > 1 or any(budget is not None for budget in job.budgets)
+        """The ``memory |`` table has something to say: several ranks, or a budget to hold a rank to (the same on
+        every rank: it is a collective)."""
         self.comm = self.trainer.strategy.gradient_comm()
         self.comm_part = CommStatePart(self.comm, self._notice) if self.comm and self.comm.powersgd else None
         self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, job.valid_caps,
@@ -399,14 +402,15 @@ class TrainingRun:
     def train_update(self, update: Update) -> None:
         """One update (or one skipped for an fp16 overflow: the data moves on either way); its
         statistics go to the meters and the balancer (which may move the split)."""
-        if self._shards_to_report and self._memory_to_report is None:
+        if self._shards_to_report and self._memory_table_wanted and self._memory_to_report is None:
             self._memory_to_report = FirstUpdateMemory(self.context.device, self.trainer.optimizer)
         result = self.trainer.train_step(update.micro_batches)
         seconds = self.stopwatch.lap()
         self.position.samples_done += update.global_samples
         if result is not None:
             if self._shards_to_report and not result.skipped:
-                self._report_memory(result.samples[self.context.rank])
+                if self._memory_table_wanted:
+                    self._report_memory(result.samples[self.context.rank])
                 self._report_optimizer_shards()
             self.interval.add(result, seconds)
             self.epoch_stats.add(result, seconds)
