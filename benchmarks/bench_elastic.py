@@ -128,12 +128,7 @@ def one_recovery(scenario: str) -> Optional[tuple[float, int]]:
             print(f"no '{missing}' within {WAIT:.0f}s; agent A's last lines:", *tail, sep="\n  ", file=sys.stderr)
             return None
         finally:
-            for agent in agents:
-                try:
-                    os.killpg(agent.process.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                agent.process.wait()
+            stop_all(agents)
 
 
 WORKER = ["-m", "hetfair_cli.train", "--user-dir", str(REPO / "plugins"), "--task", "mnist", "--dataset",
