@@ -8,8 +8,11 @@ around the tests, and swap is refused in it, so going over the limit is an OOM k
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import signal
+import time
 import uuid
 from pathlib import Path
 from typing import Optional
@@ -80,9 +83,28 @@ class MemoryCgroup:
         name = "memory.peak" if self.version == 2 else "memory.max_usage_in_bytes"
         return int((self.path / name).read_text())
 
-    def remove(self) -> None:
-        """Delete the group (its processes must have ended)."""
-        self.path.rmdir()
+    def remove(self, timeout: float = 30.0) -> None:
+        """Delete the group, once the processes the test started in it are gone.
+
+        A process whose parent has ended it can still be listed while the kernel finishes its exit,
+        and ``rmdir`` refuses a group that is busy (EBUSY) until then: whatever is still listed is
+        killed (only the test's own processes run here) and the removal waits for the kernel, up to
+        ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            for pid in (self.path / "cgroup.procs").read_text().split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            try:
+                self.path.rmdir()
+                return
+            except OSError as exc:
+                if exc.errno != errno.EBUSY or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)
 
 
 def _v2_parent() -> Path | str:
