@@ -9,17 +9,13 @@ fails on every rank alike (no rank waits in a collective for one that gave up).
 
 from __future__ import annotations
 
-import argparse
 import math
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
-import torch
-
 from hetfair.errors import ConfigError
 from hetfair.memory.budget import fractions_from_budgets
 from hetfair.memory.sizes import format_size
-from hetfair.optim import HetfairOptimizer
 from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig
 
 MEASURED_SPREAD = 1.1
@@ -53,18 +49,6 @@ def complete_parallel_config(config: ParallelConfig, budgets: Sequence[Optional[
     return replace(config, zero_shard_weights=",".join(map(str, known)))
 
 
-def optimizer_state_ratio(recipe: type[HetfairOptimizer], args: argparse.Namespace) -> float:
-    """Bytes of optimizer state per byte of parameter (Adam: 2, SGD with momentum: 1, plain SGD: 0), found
-    by one step of ``recipe``'s optimizer on a small probe parameter."""
-    probe = torch.nn.Parameter(torch.zeros(8))
-    probe.grad = torch.zeros(8)
-    optimizer = recipe.torch_class([probe], **recipe.torch_kwargs(args))
-    optimizer.step()
-    state = [value for value in optimizer.state[probe].values()
-             if torch.is_tensor(value) and value.shape == probe.shape]
-    return sum(value.numel() * value.element_size() for value in state) / (probe.numel() * probe.element_size())
-
-
 @dataclass(frozen=True)
 class StateSize:
     """The whole model's training state, the sizes a rank's share is taken of."""
@@ -79,11 +63,6 @@ class StateSize:
     def of_rank(self, shares: tuple[float, float]) -> int:
         """Bytes a rank keeps with ``shares`` (of the parameters and gradients, of the optimizer state)."""
         return int(2 * self.param_bytes * shares[0] + self.optimizer_ratio * self.param_bytes * shares[1])
-
-
-def parameter_bytes(model: torch.nn.Module) -> int:
-    """Bytes of ``model``'s trainable parameters, before a strategy shards it (a deferred model's too)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
 
 
 def check_fit(size: StateSize, shares: Sequence[tuple[float, float]], budgets: Sequence[Optional[int]],

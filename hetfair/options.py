@@ -297,7 +297,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     _option(group, "--memory-budget", bounds=Bounds(1), metavar="SIZE[,SIZE...]",
             type=PerProcessValues(parse_size, "memory_budget", int, "a memory size"),
             help="memory each process may use, e.g. 6G or 6G,20G (one per process of this command); "
-                            "the sharded state is split in proportion (default on CUDA: the device's free memory)")
+                 "the sharded state is split in proportion (default on CUDA: the device's free memory)")
     _option(group, "--offload", bounds=Bounds(0, 1), default=0, metavar="0|1[,0|1...]",
             type=PerProcessValues(_whole_number, "offload", int, "0 or 1"),
             help="with fully_sharded and shard fractions: 1 keeps this process's shards, their gradients and its "

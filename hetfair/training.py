@@ -30,8 +30,7 @@ from hetfair.logging.meters import IntervalStats, Stopwatch
 from hetfair.logging.progress import Progress, format_metric
 from hetfair.logging.tensorboard import TensorBoardLogger
 from hetfair.memory.budget import device_budget
-from hetfair.memory_plan import (StateSize, check_fit, complete_parallel_config, optimizer_state_ratio,
-                                 parameter_bytes)
+from hetfair.memory_plan import StateSize, check_fit, complete_parallel_config
 from hetfair.memory_table import FirstUpdateMemory, gather_rows, over_budget_lines, table_lines
 from hetfair.models import HetfairModel
 from hetfair.optim import OPTIMIZER_REGISTRY
@@ -39,6 +38,7 @@ from hetfair.options import plain_config
 from hetfair.plan.planner import JobPlan, PlanPart, Planner, plan_probes
 from hetfair.plan.precision import resolved_precision
 from hetfair.plan.probe import longest_sample_batches
+from hetfair.plan.state import optimizer_state_ratio, parameter_bytes
 from hetfair.precision import job_loss_scaler
 from hetfair.rng import RngState, seed_everything
 from hetfair.run_config import DataConfig, LoopConfig, RunConfig
@@ -183,7 +183,7 @@ class TrainingRun:
         """The trainer, validator, meters and checkpoints of the planned run; resume; announce it."""
         args, config, context = self.args, self.config, self.context
         deferred = any(param.is_meta for param in model.parameters())
-        param_bytes = parameter_bytes(model)  # whole: the strategy shards the model next
+        param_bytes = parameter_bytes(p for p in model.parameters() if p.requires_grad)  # whole: not sharded yet
         parallel = complete_parallel_config(config.parallel, job.budgets, job.budgets_measured, self._notice)
         self.trainer = Trainer.from_args(args, model, criterion, context, dummy,
                                          job_loss_scaler(job.precisions, config.precision.loss_scale), parallel)
@@ -268,7 +268,8 @@ class TrainingRun:
     def _check_memory_fit(self, param_bytes: int, budgets: list[Optional[int]]) -> None:
         """Refuse a plan where some rank's share of the state does not fit its budget (the same on every rank)."""
         strategy = self.trainer.strategy
-        ratio = optimizer_state_ratio(OPTIMIZER_REGISTRY.get(self.args.optimizer), self.args)
+        recipe = OPTIMIZER_REGISTRY.get(self.args.optimizer)
+        ratio = optimizer_state_ratio(lambda params: recipe.torch_class(params, **recipe.torch_kwargs(self.args)))
         shares = [strategy.state_shares(rank) for rank in range(self.context.world_size)]
         size = StateSize(param_bytes, ratio, strategy.largest_gathered_unit_bytes())
         check_fit(size, shares, budgets, strategy.takes_shard_fractions)

@@ -15,7 +15,8 @@ import pytest
 from helpers import TOY_PLUGIN, run_nodes
 from hetfair.errors import ConfigError
 from hetfair.memory.sizes import parse_size
-from hetfair.memory_plan import StateSize, check_fit, complete_parallel_config, optimizer_state_ratio
+from hetfair.memory_plan import StateSize, check_fit, complete_parallel_config
+from hetfair.plan.state import optimizer_state_ratio
 from hetfair.optim import OPTIMIZER_REGISTRY
 from hetfair.parallel import ParallelConfig
 
@@ -65,7 +66,8 @@ def test_measured_budgets_of_alike_devices_keep_equal_shards():
                                                      ("sgd", {"momentum": 0.9}, 1.0)])
 def test_optimizer_state_per_parameter_byte(optimizer, flags, ratio):
     args = Namespace(lr=0.1, weight_decay=0.0, adam_betas="(0.9, 0.999)", adam_eps=1e-8, nesterov=False, **flags)
-    assert optimizer_state_ratio(OPTIMIZER_REGISTRY.get(optimizer), args) == ratio
+    recipe = OPTIMIZER_REGISTRY.get(optimizer)
+    assert optimizer_state_ratio(lambda params: recipe.torch_class(params, **recipe.torch_kwargs(args))) == ratio
 
 
 def test_a_rank_whose_share_does_not_fit_is_one_line_naming_it_and_a_share_that_fits():
