@@ -13,7 +13,6 @@ from typing import Callable
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from torch import nn
 
 import deferred_worker
@@ -32,6 +31,7 @@ from hetfair.memory.peak import current_bytes, peak_bytes, reset_peak
 from hetfair.models.deferred_init import build_deferred, full_value
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY
+from hetfair.launch.supervisor import run_workers
 
 MiB = 2**20
 CPU = torch.device("cpu")
@@ -157,8 +157,8 @@ def test_a_fully_sharded_rank_builds_and_restores_its_shards_only(tmp_path):
     saved = {name: torch.randn_like(param) for name, param in plain.state_dict().items()}
     checkpoint = tmp_path / "checkpoint.pt"
     torch.save({"format_version": FORMAT_VERSION, TRAINER: {"model": saved}}, checkpoint)
-    mp.spawn(deferred_worker.run_rank, args=(f"tcp://127.0.0.1:{free_port()}", str(checkpoint), str(tmp_path)),
-             nprocs=deferred_worker.WORLD_SIZE, join=True)
+    run_workers(deferred_worker.WORLD_SIZE, 0, deferred_worker.run_rank,
+                (f"tcp://127.0.0.1:{free_port()}", str(checkpoint), str(tmp_path)))
     half, one_tensor, slack = 72 * MiB, 16 * MiB, 24 * MiB
     for rank in range(deferred_worker.WORLD_SIZE):
         grown = json.loads(Path(tmp_path, f"rank{rank}.json").read_text())

@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from helpers import TOY_PLUGIN
 
@@ -23,6 +22,7 @@ from hetfair.optim.implementation import implementation_kwargs
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY
 from hetfair.trainer import Trainer
+from hetfair.launch.supervisor import run_workers
 
 CPU = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
 
@@ -119,7 +119,7 @@ def _ddp_worker(rank: int, init_file: str, out: str) -> None:
 
 
 def test_ddp_with_small_buckets_and_bucket_views_updates_like_plain_adam(tmp_path):
-    mp.spawn(_ddp_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2)
+    run_workers(2, 0, _ddp_worker, (str(tmp_path / "rendezvous"), str(tmp_path)))
     for rank in range(2):
         result = torch.load(tmp_path / f"{rank}.pt")
         assert (result["cap"], result["view"]) == (int(0.0001 * 1024 * 1024), True)  # --bucket-cap-mb reached DDP

@@ -19,7 +19,6 @@ from typing import Callable
 import numpy as np
 import pytest
 import torch
-import torch.multiprocessing as mp
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 import overflow_worker
@@ -35,6 +34,7 @@ from hetfair.precision import LossScaleConfig, LossScaler, autocast
 from hetfair.tasks import TASK_REGISTRY
 from hetfair.trainer import Trainer
 from hetfair_cli.train import main as train_main
+from hetfair.launch.supervisor import run_workers
 from test_mnist_plugin import write_idx
 
 MNIST_FLAGS = ["--arch", "mnist_mlp", "--optimizer", "sgd", "--lr", "0.05", "--lr-scheduler", "fixed", "--seed", "3",
@@ -233,7 +233,7 @@ def test_a_job_of_fp32_bf16_and_fp16_ranks_tracks_fp32(mnist: Experiment) -> Non
 
 def test_an_overflow_on_one_rank_makes_every_rank_skip_that_update(tmp_path: Path) -> None:
     init = f"tcp://127.0.0.1:{free_port()}"
-    mp.spawn(overflow_worker.run_rank, args=(init, str(tmp_path)), nprocs=len(overflow_worker.PRECISIONS), join=True)
+    run_workers(len(overflow_worker.PRECISIONS), 0, overflow_worker.run_rank, (init, str(tmp_path)))
     ranks = [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(len(overflow_worker.PRECISIONS))]
     poisoned = overflow_worker.POISONED_STEP
     for records in ranks:

@@ -16,7 +16,6 @@ from typing import Any, Optional
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -24,6 +23,7 @@ from helpers import TOY_PLUGIN, run_nodes
 from hetfair.parallel.context import DistributedContext
 from hetfair.optim.lr_scheduler.fixed import FixedSchedule
 from hetfair.trainer import Trainer, TrainerConfig
+from hetfair.launch.supervisor import run_workers
 
 UPDATES = 3
 LR = 0.1
@@ -98,7 +98,7 @@ def plain_pytorch() -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:
 
 def test_overlapped_stats_sync_gives_plain_pytorchs_update_and_only_timings_one_update_late(tmp_path):
     world = len(RANK_SIZES)
-    mp.spawn(_rank, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
+    run_workers(world, 0, _rank, (world, str(tmp_path / "store"), str(tmp_path)))
     expected_stats, expected_params = plain_pytorch()
     outputs = [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(world)]
     for output in outputs:

@@ -11,7 +11,6 @@ import subprocess
 from pathlib import Path
 
 import torch
-import torch.multiprocessing as mp
 
 import agreement_worker
 from helpers import TOY_PLUGIN, final_parameters, free_port, is_running, start, worker_pids
@@ -21,6 +20,7 @@ from hetfair.launch.launcher import launch
 from hetfair.options import parse_train_args
 from hetfair_cli.errors import run_cli
 from hetfair_cli.train import main as train_main
+from hetfair.launch.supervisor import run_workers
 
 PREEMPTED = 75
 
@@ -105,8 +105,8 @@ def test_a_preempted_two_rank_job_stops_together_saves_and_resumes_exactly(tmp_p
 
 
 def test_ranks_signalled_at_different_updates_stop_after_the_same_one(tmp_path):
-    mp.spawn(agreement_worker.run_rank, args=(f"tcp://127.0.0.1:{free_port()}", str(tmp_path)),
-             nprocs=agreement_worker.WORLD_SIZE, join=True)
+    run_workers(agreement_worker.WORLD_SIZE, 0, agreement_worker.run_rank,
+                (f"tcp://127.0.0.1:{free_port()}", str(tmp_path)))
     stops = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(agreement_worker.WORLD_SIZE)]
     first_signal = min(agreement_worker.SIGNALLED_AT.values())
     assert stops == [first_signal + 1] * agreement_worker.WORLD_SIZE  # the vote started after it is read one later

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.stats import sync_stats
 from hetfair.errors import ConfigError
+from hetfair.launch.supervisor import run_workers
 
 
 def _rank(rank: int, world: int, store_path: str, out_dir: str) -> None:
@@ -32,7 +32,7 @@ def _rank(rank: int, world: int, store_path: str, out_dir: str) -> None:
 
 def test_values_that_cannot_be_summed_are_gathered_as_json(tmp_path):
     world = 3
-    mp.spawn(_rank, args=(world, str(tmp_path / "store"), str(tmp_path)), nprocs=world)
+    run_workers(world, 0, _rank, (world, str(tmp_path / "store"), str(tmp_path)))
     for rank in range(world):
         result = json.loads((tmp_path / f"{rank}.json").read_text())
         assert result["totals"] == {"loss": 1.5 + 3.0 + 4.5, "sample_size": 6.0, "note": ["rank0", "rank1", "rank2"]}

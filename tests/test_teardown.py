@@ -12,6 +12,7 @@ alive.
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import textwrap
 
@@ -45,3 +46,14 @@ def test_no_rank_shuts_python_down_next_to_live_gloo_threads(tmp_path):
     at_exit = [json.loads(path.read_text()) for path in out.iterdir()]
     launcher = [names for names in at_exit if not any(n.startswith(("gloo", "pt_gloo")) for n in names)]
     assert len(launcher) == len(at_exit) <= 1, at_exit  # only the launcher (no process group) shuts down
+
+
+def test_tests_start_their_ranks_through_the_worker_launcher_not_mp_spawn():
+    """A rank started by ``torch.multiprocessing.spawn`` returns into the interpreter's shutdown next to live
+    gloo threads: now and then it ended with SIGABRT after its test had passed (a CI failure of
+    test_overlapped_stats). Tests run rank functions with :func:`hetfair.launch.supervisor.run_workers`, which
+    leaves with ``os._exit`` like every hetfair worker."""
+    spawn = re.compile(r"\b(mp|multiprocessing)\.(spawn|start_processes)\(")
+    offenders = [path.name for path in TESTS_DIR.rglob("*.py")
+                 if path.name != "test_teardown.py" and spawn.search(path.read_text())]
+    assert not offenders, offenders

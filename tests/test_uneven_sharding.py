@@ -12,7 +12,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -26,6 +25,7 @@ from hetfair.models.deferred_init import build_deferred
 from hetfair.parallel.fully_sharded import unit_bytes
 from hetfair.parallel.uneven_shards import UnevenShardedModel, shard_bounds
 from hetfair_cli.train import main as train_main
+from hetfair.launch.supervisor import run_workers
 from test_zero_sharding import ADAM, adam_reference, assert_same_optimizer_state
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
@@ -239,7 +239,7 @@ def _checkpointing_worker(rank: int, init_file: str, out_dir: str) -> None:
 def test_ranks_that_checkpoint_activations_gather_with_ranks_that_do_not(tmp_path):
     """A rank recomputing its units' forward gathers each unit once in the backward, as the others do: no hang,
     and the gradients are plain autograd's over both ranks' inputs."""
-    mp.spawn(_checkpointing_worker, args=(str(tmp_path / "rendezvous"), str(tmp_path)), nprocs=2)
+    run_workers(2, 0, _checkpointing_worker, (str(tmp_path / "rendezvous"), str(tmp_path)))
     plain = blocks()
     for rank in range(2):
         torch.manual_seed(1 + rank)

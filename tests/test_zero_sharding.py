@@ -1,7 +1,7 @@
 """Optimizer-state sharding (--zero-sharding os) changes where the state lives, not the result.
 
-Real gloo groups throughout: the optimizer itself in process groups started with
-torch.multiprocessing, training and checkpoints with one hetfair-train command
+Real gloo groups throughout: the optimizer itself in process groups started by
+hetfair's own worker launcher, training and checkpoints with one hetfair-train command
 per rank. Everything is compared with plain, unsharded ``torch.optim.Adam``.
 """
 
@@ -16,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 from torch import nn
 
@@ -27,6 +26,7 @@ from hetfair.parallel.zero import full_state_dict, optimizer_state_bytes, parse_
 from hetfair.parallel.zero_optimizer import ShardedOptimizer, weighted_partition
 from hetfair.errors import ConfigError
 from hetfair_cli.train import main as train_main
+from hetfair.launch.supervisor import run_workers
 from toy_plugin import Blobs, ToyMLP
 from toy_reference import EPOCHS, SEED, TRAIN_SIZE, assert_same, toy_train_args
 
@@ -118,7 +118,7 @@ def _shard_worker(rank: int, world: int, init_file: str, weights: Optional[list[
 
 
 def run_shard_workers(tmp_path: Path, world: int, weights: Optional[list[float]]) -> list[dict[str, Any]]:
-    mp.spawn(_shard_worker, args=(world, str(tmp_path / "rendezvous"), weights, str(tmp_path)), nprocs=world)
+    run_workers(world, 0, _shard_worker, (world, str(tmp_path / "rendezvous"), weights, str(tmp_path)))
     return [torch.load(tmp_path / f"rank{rank}.pt", weights_only=True) for rank in range(world)]
 
 
