@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 from pathlib import Path
+from typing import Sequence
 
 from helpers import rank_flags, subprocess_env, train_command
 from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV
@@ -23,14 +24,18 @@ def node_env() -> dict[str, str]:
     return {**env, SECRET_ENV: "the job's secret"}
 
 
-def start_nodes(network, tmp_path: Path, *extra: str, env: dict[str, str] | None = None) -> list[subprocess.Popen]:
+def start_nodes(network, tmp_path: Path, *extra: str, env: dict[str, str] | None = None,
+                own: Sequence[tuple[Sequence[str], dict[str, str]]] = ()) -> list[subprocess.Popen]:
     """One hetfair-train command per host (a toy job of two ranks meeting at host 0), each with its batch size,
-    in ``env`` (default: :func:`node_env`)."""
+    in ``env`` (default: :func:`node_env`); ``own``: each node's own further flags and environment variables."""
     init = f"tcp://{network.hosts[0].address}:29500"
     procs = []
     for rank, (host, batch) in enumerate(zip(network.hosts, ("12", "20"))):
-        args = toy_train_args(tmp_path / "ckpt", 1) + ["--max-sentences", batch, *rank_flags(rank, 2, init), *extra]
-        procs.append(subprocess.Popen(host.command(*train_command(*args)), cwd=tmp_path, env=env or node_env(),
+        flags, variables = own[rank] if rank < len(own) else ((), {})
+        args = toy_train_args(tmp_path / "ckpt", 1) + ["--max-sentences", batch, *rank_flags(rank, 2, init), *extra,
+                                                       *flags]
+        procs.append(subprocess.Popen(host.command(*train_command(*args)), cwd=tmp_path,
+                                      env={**(env or node_env()), **variables},
                                       stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     return procs
 

@@ -35,15 +35,21 @@ def test_two_hosts_whose_hostname_means_loopback_train_and_print_nothing(make_ne
     assert_same(final_parameters(tmp_path / "ckpt"), reference_parameters(update_size=32))
 
 
-def test_an_interface_that_does_not_reach_the_others_is_one_line(make_network, tmp_path):
+def test_an_interface_that_does_not_reach_the_others_is_one_line_naming_it_and_where_it_came_from(make_network,
+                                                                                                 tmp_path):
+    """Node 0 is given the loopback interface by --distributed-interface, node 1 by a GLOO_SOCKET_IFNAME in the
+    user's environment (which wins over the interface towards rank 0): neither can connect, each says which
+    interface it used and, for the environment's, from where."""
     network = make_network(2, etc=HOSTNAME_MEANS_LOOPBACK)
     # a timeout long enough for both ranks to check in under load: it is gloo's connection that must fail
-    for code, err in finish(start_nodes(network, tmp_path, "--distributed-interface", "lo",
-                                        "--distributed-timeout", "10")):
-        [line] = err.splitlines()  # no traceback, no C++ lines
-        assert code == 2
-        assert line.endswith("--distributed-interface with the network interface that reaches the others (this "
-                             "node used lo)"), line
+    procs = start_nodes(network, tmp_path, "--distributed-timeout", "10",
+                        own=[(("--distributed-interface", "lo"), {}), ((), {GLOO_INTERFACE_ENV: "lo"})])
+    (code0, err0), (code1, err1) = finish(procs)
+    [line0], [line1] = err0.splitlines(), err1.splitlines()  # no traceback, no C++ lines
+    assert (code0, code1) == (2, 2)
+    assert line0.endswith("--distributed-interface with the network interface that reaches the others (this "
+                          "node used lo)"), line0
+    assert line1.endswith(f"(this node used lo, from {GLOO_INTERFACE_ENV})"), line1
 
 
 def test_an_unknown_interface_is_one_line(tmp_path, capsys):

@@ -104,17 +104,6 @@ def test_a_third_host_can_stop_the_check_in_and_the_node_says_so_in_one_line(mak
     assert not (tmp_path / "ckpt" / "checkpoint_last.pt").exists()
 
 
-def test_the_users_gloo_interface_is_kept_and_named_when_it_does_not_reach_the_others(make_network, tmp_path):
-    """Without --distributed-interface, a GLOO_SOCKET_IFNAME in the user's environment wins over the interface
-    towards rank 0: here the loopback interface, so the ranks cannot connect, and each says which it used."""
-    network = make_network(2, etc=HOSTNAME_MEANS_LOOPBACK)
-    env = {**node_env(), GLOO_INTERFACE_ENV: "lo"}
-    for code, err in finish(start_nodes(network, tmp_path, "--distributed-timeout", "10", env=env)):
-        [line] = err.splitlines()
-        assert code == 2
-        assert line.endswith(f"(this node used lo, from {GLOO_INTERFACE_ENV})"), line
-
-
 def test_the_flag_wins_over_the_users_gloo_interface_across_hosts(make_network, tmp_path):
     network = make_network(2, etc=HOSTNAME_MEANS_LOOPBACK)
     env = {**node_env(), GLOO_INTERFACE_ENV: "lo"}
