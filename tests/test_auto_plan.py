@@ -9,16 +9,18 @@ simulated cluster holds about 300M before its first step, and each sample of ``-
 
 from __future__ import annotations
 
+import math
 import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
 from helpers import REPO_ROOT, final_parameters, subprocess_env, train_command
 from hetfair.memory.peak import current_bytes
-from hetfair.plan.probe import MicroBatchProbe
+from hetfair.plan.probe import SEARCH_PRECISION, BatchSearch, MicroBatchProbe
 from hetfair.plan.state import optimizer_state_ratio
 
 SIMCLUSTER = REPO_ROOT / "benchmarks" / "simcluster"
@@ -157,7 +159,7 @@ def test_probing_leaves_parameters_buffers_and_generators_as_they_were():
                             budget=current_bytes(torch.device("cpu")) + (64 << 20))
     result = probe.largest(upper=100_000, reserve=0)
     assert 2 <= result.largest < 100_000  # 64M of room: thousands of 16K samples, not 100,000
-    assert result.steps <= 2 * 17 + 1  # doubling then bisecting: 2 * ceil(log2(100,000)) + 1 at most
+    assert result.steps <= math.ceil(math.log2(100_000)) + 1 + 2 * math.ceil(math.log2(1 / SEARCH_PRECISION))
     assert torch.equal(torch.get_rng_state(), rng)
     assert all(p.grad is None for p in model.parameters())
     for name, value in model.state_dict().items():
@@ -168,3 +170,30 @@ def test_optimizer_state_is_measured_per_parameter_byte():
     assert optimizer_state_ratio(lambda params: torch.optim.Adam(params)) == 2.0  # two moments
     assert optimizer_state_ratio(lambda params: torch.optim.SGD(params, lr=0.1, momentum=0.9)) == 1.0
     assert optimizer_state_ratio(lambda params: torch.optim.SGD(params, lr=0.1)) == 0.0
+
+
+@pytest.mark.parametrize("per_sample, exponent", [(200_000, 1.0), (40_000, 1.3), (2_000_000, 0.7), (3, 1.0)])
+def test_the_search_finds_the_largest_batch_within_its_precision_in_few_steps(per_sample, exponent):
+    """Against the brute-force answer on memory curves linear and not: the search's ``low`` fits, its ``high``
+    does not and is within SEARCH_PRECISION of it, no step asks for more than twice what fitted, and the steps
+    stay within the stated bound (for a linear curve: two after the doubling)."""
+    base, budget, upper = 300_000_000, 456_000_000, 100_000
+
+    def peak(samples: int) -> int:
+        return base + int(per_sample * samples ** exponent)
+
+    answer = max(n for n in range(1, upper + 1) if peak(n) <= budget)
+    search, asked = BatchSearch(upper, budget, peak(1)), [1]
+    while (candidate := search.next_candidate()) is not None:
+        assert candidate <= 2 * search.low
+        asked.append(candidate)
+        search.record(candidate, peak(candidate) <= budget, peak(candidate))
+    assert peak(search.low) <= budget and search.low <= answer
+    if answer == upper:
+        assert search.low == upper and search.high is None
+    else:
+        assert peak(search.high) > budget and search.high - search.low <= math.ceil(search.low * SEARCH_PRECISION)
+    doubling = math.ceil(math.log2(min(upper, 2 * answer))) + 1
+    assert len(asked) <= doubling + 2 * math.ceil(math.log2(1 / SEARCH_PRECISION)), asked
+    if exponent == 1.0 and answer < upper:
+        assert len(asked) <= doubling + 2, asked

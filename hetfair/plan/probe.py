@@ -5,8 +5,11 @@ longest sample (the largest batch shape the task makes) through the real model, 
 precision. A step fits when it raises no out-of-memory error (``torch.cuda.OutOfMemoryError``) and
 its peak memory (:mod:`hetfair.memory.peak`: the allocator's on CUDA, the process's resident set on
 CPU) plus a reserve for what training holds beyond one step (:mod:`hetfair.plan.state`) stays within
-the budget. The search doubles ``n`` from 1 until a step does not fit or reaches the upper bound, then
-bisects: at most ``2 * ceil(log2(upper)) + 1`` steps. Where memory, not the upper bound, stopped it,
+the budget. The search (:class:`BatchSearch`) grows ``n`` from 1, at most doubling it, until a step does not
+fit or reaches the upper bound, then narrows the bracket to :data:`SEARCH_PRECISION`; with a budget each
+step goes where the line through two measured steps meets it (memory grows about linearly with the
+batch), so the search ends a few steps after the first that did not fit; it never takes more than
+``ceil(log2(upper)) + 1 + 2 * ceil(log2(1 / SEARCH_PRECISION))`` steps. Where memory, not the upper bound, stopped it,
 the micro-batch keeps a safety margin of :data:`SAFETY_MARGIN` below the largest step that fitted
 (allocator fragmentation and the batches' varying shapes in training).
 
@@ -36,6 +39,8 @@ from hetfair.memory.peak import peak_bytes, reset_peak
 from hetfair.precision import autocast
 from hetfair.utils import move_to_device
 
+SEARCH_PRECISION = 0.01
+"""The search stops once the largest step that fitted and the smallest that did not are this fraction apart."""
 SAFETY_MARGIN = 0.05
 """The micro-batch is this fraction below the largest that fitted (when memory bounded it): room for the
 allocator's fragmentation in training, small enough to keep a memory-bound fast rank busy (by its simulated
@@ -104,27 +109,18 @@ class MicroBatchProbe:
         return ran and (self.budget is None or peak <= self.budget), peak
 
     def largest(self, upper: int, reserve: int) -> ProbeResult:
-        """The largest micro-batch up to ``upper`` that fits with ``reserve`` (doubling, then bisecting)."""
+        """The largest micro-batch up to ``upper`` that fits with ``reserve`` (to :data:`SEARCH_PRECISION`)."""
         started, steps_before = time.perf_counter(), self.steps
         fits_one, one_sample = self.fits(1, reserve)
-        low, high = (1, None) if fits_one else (0, 1)  # low fits; high (when known) does not
-        while high is None and low < upper:
-            candidate = min(2 * low, upper)
-            if self.fits(candidate, reserve)[0]:
-                low = candidate
-            else:
-                high = candidate
-        while high is not None and high - low > 1:
-            middle = (low + high) // 2
-            if self.fits(middle, reserve)[0]:
-                low = middle
-            else:
-                high = middle
+        search = BatchSearch(upper, self.budget, one_sample if fits_one else None)
+        while (candidate := search.next_candidate()) is not None:
+            search.record(candidate, *self.fits(candidate, reserve))
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
         _trim_heap(self.device)
         reset_peak(self.device)  # the peak from here on is training's, not the probe's
-        return ProbeResult(low, upper, high, self.steps - steps_before, time.perf_counter() - started, one_sample)
+        return ProbeResult(search.low, upper, search.high, self.steps - steps_before, time.perf_counter() - started,
+                           one_sample)
 
     def _step(self, batch: dict[str, Any]) -> bool:
         """One forward and backward, gradients dropped after; False when the device ran out of memory."""
@@ -137,6 +133,66 @@ class MicroBatchProbe:
             return False  # the error (and the step's tensors its traceback holds) is freed on leaving
         finally:
             self.model.zero_grad(set_to_none=True)
+
+
+class BatchSearch:
+    """Where to probe next: doubling up from one sample, then narrowing the bracket between the largest step
+    that fitted (``low``) and the smallest that did not (``high``) to :data:`SEARCH_PRECISION`.
+
+    Memory grows about linearly with the batch, so with a budget each candidate is where the line through
+    two measured steps meets it (the bracket's ends, or the last two steps that fitted): no more than
+    doubling the largest that fitted (a step's memory stays below twice what fitted), at least
+    :data:`SEARCH_PRECISION` above it. A candidate that did not halve the bracket is followed by a
+    bisection, so every two steps at least halve it.
+    """
+
+    def __init__(self, upper: int, budget: Optional[int], one_sample_peak: Optional[int]) -> None:
+        self.upper = upper
+        self.budget = budget
+        self.low, self.high = (1, None) if one_sample_peak is not None else (0, 1)
+        self.fitted: list[tuple[int, int]] = [(1, one_sample_peak)] if one_sample_peak is not None else []
+        """(samples, peak) of the steps that fitted, in order."""
+        self.high_peak: Optional[int] = None
+        self.bisect_next = False
+
+    def next_candidate(self) -> Optional[int]:
+        """The next micro-batch to try; ``None`` when the search is done."""
+        if self.low >= self.upper or self.low == 0:
+            return None
+        step = max(1, math.ceil(self.low * SEARCH_PRECISION))
+        if self.high is not None and self.high - self.low <= step:
+            return None
+        ceiling = self.high - 1 if self.high is not None else min(2 * self.low, self.upper)
+        if self.high is not None and (self.bisect_next or self.high_peak is None):
+            return max(self.low + 1, (self.low + self.high) // 2)
+        predicted = self._where_the_budget_is_met()
+        if predicted is None:
+            return ceiling if self.high is None else (self.low + self.high) // 2
+        return int(min(ceiling, max(self.low + step, math.floor(predicted))))
+
+    def record(self, samples: int, fits: bool, peak: int) -> None:
+        width = None if self.high is None else self.high - self.low
+        if fits:
+            self.low = samples
+            self.fitted.append((samples, peak))
+        else:
+            self.high, self.high_peak = samples, peak
+        halved = width is not None and self.high is not None and 2 * (self.high - self.low) <= width
+        self.bisect_next = width is not None and not halved and not self.bisect_next
+
+    def _where_the_budget_is_met(self) -> Optional[float]:
+        """The batch at which a line through two measured steps reaches the budget (``None``: no such line)."""
+        if self.budget is None:
+            return None
+        if self.high is not None and self.high_peak is not None:
+            (n0, p0), (n1, p1) = self.fitted[-1], (self.high, self.high_peak)
+        elif len(self.fitted) >= 2:
+            (n0, p0), (n1, p1) = self.fitted[-2], self.fitted[-1]
+        else:
+            return None
+        if p1 <= p0:
+            return None  # no growth measured (the resident set grows by pages): nothing to extrapolate
+        return n0 + (self.budget - p0) * (n1 - n0) / (p1 - p0)
 
 
 class _KeptBuffers:
