@@ -43,6 +43,9 @@ def test_lists_must_have_one_value_per_process() -> None:
     with pytest.raises(ConfigError, match=r"--max-sentences 48,16,8 gives 3 values but this command starts "
                                           r"2 processes; give one value for all of them or one per process"):
         check_counts(args, 2)
+    budgets = argparse.Namespace(memory_budget=(1 << 30, 3 << 29))  # sizes, parsed to bytes, are shown as sizes
+    with pytest.raises(ConfigError, match=r"^--memory-budget 1.0G,1.5G gives 2 values but this command starts 3 "):
+        check_counts(budgets, 3)
 
 
 def test_options_parse_into_values_or_lists() -> None:

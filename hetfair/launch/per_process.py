@@ -24,12 +24,16 @@ from dataclasses import dataclass
 from typing import Any, Callable, Optional, TypeVar, Union
 
 from hetfair.errors import ConfigError
+from hetfair.memory.sizes import format_size
 
 T = TypeVar("T")
 
 PER_PROCESS_OPTIONS: tuple[str, ...] = ("max_sentences", "max_tokens", "precision", "device_id",
                                           "memory_budget", "offload", "activation_checkpointing")
 """The ``args`` attributes that may hold one value per local process."""
+
+_SHOWN_AS: dict[str, Callable[[Any], str]] = {"memory_budget": format_size}
+"""How an error shows the items of an option whose values are not the text given (sizes become bytes)."""
 
 
 def flag_of(dest: str) -> str:
@@ -100,8 +104,8 @@ def check_counts(args: argparse.Namespace, nprocs: int, starter: str = "this com
         if isinstance(value, tuple) and len(value) != nprocs:
             starts = f"{nprocs} process" + ("es" if nprocs != 1 else "")
             raise ConfigError(
-                f"{flag_of(dest)} {','.join(map(str, value))} gives {len(value)} values but {starter} "
-                f"{starts}; give one value for all of them or one per process"
+                f"{flag_of(dest)} {','.join(map(_SHOWN_AS.get(dest, str), value))} gives {len(value)} values but "
+                f"{starter} {starts}; give one value for all of them or one per process"
             )
 
 
