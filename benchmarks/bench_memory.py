@@ -1,4 +1,5 @@
-"""Per-rank memory and update time of BERT training: DDP, ZeRO-1, even fully sharded (FSDP2), uneven 1:3 shards;
+"""Per-rank memory and update time of BERT training: DDP, ZeRO-1, even fully sharded (FSDP2), hetfair's uneven
+engine with equal (1:1) and 1:3 shards;
 and the largest BERT a 1:3 memory pair can train with even and with uneven shards.
 
     python benchmarks/bench_memory.py [--layers 12,24] [--updates 4] [--rounds 1] [--budgets 1G,3G]
@@ -37,6 +38,7 @@ MODES: dict[str, list[str]] = {
     "DDP": ["--ddp-backend", "c10d"],
     "ZeRO-1": ["--ddp-backend", "c10d", "--zero-sharding", "os"],
     "FSDP2 even": ["--ddp-backend", "fully_sharded"],
+    "uneven 1:1": ["--ddp-backend", "fully_sharded", "--shard-fractions", "1,1"],
     "uneven 1:3": ["--ddp-backend", "fully_sharded", "--shard-fractions", "1,3"],
 }
 PEAK_WRAPPER = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "

@@ -138,9 +138,13 @@ class ShardedUnit:
 
     def _all_gather(self, local: list[torch.Tensor]) -> torch.Tensor:
         dtype = local[0].dtype if local else self.dtype
-        segment = torch.zeros(self.padded, dtype=dtype, device=self.compute_device)
-        mine = torch.cat([t.reshape(-1) for t in local]) if local else segment[:0]
-        segment[:mine.numel()] = mine
+        # the padding after a rank's slices is sent but never read: left as it is, not zeroed
+        segment = torch.empty(self.padded, dtype=dtype, device=self.compute_device)
+        mine = segment[:sum(t.numel() for t in local)]
+        if local and local[0].device == segment.device:
+            torch.cat([t.reshape(-1) for t in local], out=mine)
+        elif local:  # offloaded shards: one copy to the compute device
+            mine.copy_(torch.cat([t.reshape(-1) for t in local]))
         gathered = torch.empty(self.world_size * self.padded, dtype=dtype, device=self.compute_device)
         _ALL_GATHER(gathered, segment)
         by_rank = gathered.view(self.world_size, self.padded)
@@ -162,14 +166,18 @@ class ShardedUnit:
         """Each rank's slices of the summed gradients ``grads`` (full, one per parameter; ``None``: zero),
         on the shards' device: a collective."""
         dtype = self.reduce_dtype or self.dtype
-        send = torch.zeros(self.world_size, self.padded, dtype=dtype, device=self.compute_device)
+        # every slice is written (zeros for a parameter without a gradient); the padding is summed but never read
+        send = torch.empty(self.world_size, self.padded, dtype=dtype, device=self.compute_device)
         offsets = [0] * self.world_size
         for param, grad in zip(self.params, grads):
             for rank in range(self.world_size):
                 length = param.length(rank)
-                if grad is not None and length:
-                    send[rank, offsets[rank]:offsets[rank] + length] = grad.reshape(-1)[
-                        param.bounds[rank]:param.bounds[rank + 1]]
+                if length:
+                    into = send[rank, offsets[rank]:offsets[rank] + length]
+                    if grad is None:
+                        into.zero_()
+                    else:
+                        into.copy_(grad.reshape(-1)[param.bounds[rank]:param.bounds[rank + 1]])
                 offsets[rank] += length
         mine = torch.empty(self.padded, dtype=dtype, device=self.compute_device)
         _REDUCE_SCATTER(mine, send.view(-1), op=dist.ReduceOp.SUM)
