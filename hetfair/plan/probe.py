@@ -5,13 +5,13 @@ longest sample (the largest batch shape the task makes) through the real model, 
 precision. A step fits when it raises no out-of-memory error (``torch.cuda.OutOfMemoryError``) and
 its peak memory (:mod:`hetfair.memory.peak`: the allocator's on CUDA, the process's resident set on
 CPU) plus a reserve for what training holds beyond one step (:mod:`hetfair.plan.state`) stays within
-the budget. The search (:class:`BatchSearch`) grows ``n`` from 1, at most doubling it, until a step does not
-fit or reaches the upper bound, then narrows the bracket to :data:`SEARCH_PRECISION`; with a budget each
-step goes where the line through two measured steps meets it (memory grows about linearly with the
-batch), so the search ends a few steps after the first that did not fit; it never takes more than
-``ceil(log2(upper)) + 1 + 2 * ceil(log2(1 / SEARCH_PRECISION))`` steps. Where memory, not the upper bound, stopped it,
-the micro-batch keeps a safety margin of :data:`SAFETY_MARGIN` below the largest step that fitted
-(allocator fragmentation and the batches' varying shapes in training).
+the budget. The search (:class:`BatchSearch`) grows ``n`` from 1, at most doubling it, until a step
+does not fit or reaches the upper bound, then narrows the bracket to :data:`SEARCH_PRECISION`; with a
+budget each step goes where the line through two measured steps meets it (memory grows about
+linearly with the batch), so the search ends a few steps after the first that did not fit; it never
+takes more than ``ceil(log2(upper)) + 1 + 2 * ceil(log2(1 / SEARCH_PRECISION))`` steps. Where memory,
+not the upper bound, stopped it, the micro-batch keeps a safety margin of :data:`SAFETY_MARGIN` below
+the largest step that fitted (allocator fragmentation and the batches' varying shapes in training).
 
 A probe leaves nothing behind: no optimizer step (the parameters are not touched), gradients set to
 ``None`` after every step, buffers (batch-norm statistics) and the random generators restored, and on
@@ -149,43 +149,54 @@ class BatchSearch:
     def __init__(self, upper: int, budget: Optional[int], one_sample_peak: Optional[int]) -> None:
         self.upper = upper
         self.budget = budget
-        self.low, self.high = (1, None) if one_sample_peak is not None else (0, 1)
         self.fitted: list[tuple[int, int]] = [(1, one_sample_peak)] if one_sample_peak is not None else []
-        """(samples, peak) of the steps that fitted, in order."""
-        self.high_peak: Optional[int] = None
+        """(samples, peak) of the steps that fitted, in order: each larger than the one before."""
+        self.failed: Optional[tuple[int, int]] = None if self.fitted else (1, 0)
+        """(samples, peak) of the smallest step that did not fit."""
         self.bisect_next = False
+
+    @property
+    def low(self) -> int:
+        """The largest micro-batch that fitted (0: not even one sample)."""
+        return self.fitted[-1][0] if self.fitted else 0
+
+    @property
+    def high(self) -> Optional[int]:
+        """The smallest micro-batch that did not fit (``None``: none so far)."""
+        return self.failed[0] if self.failed else None
 
     def next_candidate(self) -> Optional[int]:
         """The next micro-batch to try; ``None`` when the search is done."""
-        if self.low >= self.upper or self.low == 0:
+        low, high = self.low, self.high
+        if low >= self.upper or low == 0:
             return None
-        step = max(1, math.ceil(self.low * SEARCH_PRECISION))
-        if self.high is not None and self.high - self.low <= step:
+        step = max(1, math.ceil(low * SEARCH_PRECISION))
+        if high is not None and high - low <= step:
             return None
-        ceiling = self.high - 1 if self.high is not None else min(2 * self.low, self.upper)
-        if self.high is not None and (self.bisect_next or self.high_peak is None):
-            return max(self.low + 1, (self.low + self.high) // 2)
+        if high is not None and self.bisect_next:
+            return (low + high) // 2
         predicted = self._where_the_budget_is_met()
         if predicted is None:
-            return ceiling if self.high is None else (self.low + self.high) // 2
-        return int(min(ceiling, max(self.low + step, math.floor(predicted))))
+            return min(2 * low, self.upper) if high is None else (low + high) // 2
+        ceiling = high - 1 if high is not None else min(2 * low, self.upper)
+        return int(min(ceiling, max(low + step, math.floor(predicted))))
 
     def record(self, samples: int, fits: bool, peak: int) -> None:
+        """What a step of ``samples`` did: whether it fitted, and its peak memory (with the reserve)."""
         width = None if self.high is None else self.high - self.low
         if fits:
-            self.low = samples
             self.fitted.append((samples, peak))
         else:
-            self.high, self.high_peak = samples, peak
-        halved = width is not None and self.high is not None and 2 * (self.high - self.low) <= width
+            self.failed = (samples, peak)
+        halved = width is not None and 2 * (self.high - self.low) <= width
         self.bisect_next = width is not None and not halved and not self.bisect_next
 
     def _where_the_budget_is_met(self) -> Optional[float]:
         """The batch at which a line through two measured steps reaches the budget (``None``: no such line)."""
         if self.budget is None:
             return None
-        if self.high is not None and self.high_peak is not None:
-            (n0, p0), (n1, p1) = self.fitted[-1], (self.high, self.high_peak)
+        if self.failed is not None:
+            (n0, p0), (n1, p1) = self.fitted[-1], self.failed
         elif len(self.fitted) >= 2:
             (n0, p0), (n1, p1) = self.fitted[-2], self.fitted[-1]
         else:
