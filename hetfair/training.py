@@ -184,6 +184,7 @@ class TrainingRun:
         args, config, context = self.args, self.config, self.context
         deferred = any(param.is_meta for param in model.parameters())
         param_bytes = parameter_bytes(p for p in model.parameters() if p.requires_grad)  # whole: not sharded yet
+        whole_parameters = sum(p.numel() for p in model.parameters())
         parallel = complete_parallel_config(config.parallel, job.budgets, job.budgets_measured, self._notice)
         self.trainer = Trainer.from_args(args, model, criterion, context, dummy,
                                          job_loss_scaler(job.precisions, config.precision.loss_scale), parallel)
@@ -214,7 +215,7 @@ class TrainingRun:
         self._check_best_metric_exists()
         self.restored_from = self._restore()
         self.comm_advisor = self._measure_link()
-        self._announce(model)
+        self._announce(whole_parameters)
 
     def _build_model(self, args: argparse.Namespace) -> torch.nn.Module:
         """The task's model; on the meta device where the strategy materialises only its rank's shards
@@ -600,11 +601,15 @@ class TrainingRun:
             self._notice(f"TensorBoard logs are in {self.tensorboard.logdir}; "
                          f"view them with: tensorboard --logdir {self.tensorboard.logdir}")
 
-    def _announce(self, model: torch.nn.Module) -> None:
+    def _announce(self, whole_parameters: int) -> None:
+        """The ``setup |`` lines: ``parameters`` counts the whole model, ``rank0_parameters`` (where the state is
+        sharded) the elements rank 0 holds of it."""
         if not self.context.is_master:
             return
-        parameters = sum(p.numel() for p in model.parameters())
-        self.progress.log("setup", {"parameters": parameters, "world_size": self.context.world_size,
+        strategy = self.trainer.strategy
+        held = sum(t.numel() for t in strategy.local_tensors(list(self.trainer.model.parameters())))
+        counts = {"parameters": whole_parameters, **({"rank0_parameters": held} if held != whole_parameters else {})}
+        self.progress.log("setup", {**counts, "world_size": self.context.world_size,
                                     "global_batch": self.nominal_shape.step_size,
                                     "train_samples": len(self.train_data)},
                           self.position.epoch, self.trainer.num_updates)

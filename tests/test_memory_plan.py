@@ -122,6 +122,9 @@ def test_budgets_shard_the_state_and_the_memory_table_shows_it_and_warns_a_rank_
         assert abs(unit - 4 * (HIDDEN * 8 + HIDDEN)) <= 0.05 * unit, row  # the first Linear, whole
         peak, headroom = parse_size(row[5]), parse_size(row[6].lstrip("-")) * (-1 if row[6][0] == "-" else 1)
         assert abs(budget - peak - headroom) <= rounding(row[5]) + rounding(row[6]), row
+    setup = re.search(r"setup \| .* \| parameters (\d+) \| rank0_parameters (\d+) \|", result.stderr)
+    assert setup and int(setup[1]) == PARAMS, result.stderr  # the whole model's, not rank 0's shard
+    assert abs(int(setup[2]) - budgets[0] / sum(budgets) * PARAMS) <= 0.1 * int(setup[2])  # labelled: rank 0's
     warnings = [line for line in result.stderr.splitlines() if line.startswith("memory | warning")]
     assert len(warnings) == 1 and "rank 0's first update peaked at" in warnings[0], result.stderr
     assert "--activation-checkpointing 1 on rank 0" in warnings[0]
