@@ -10,21 +10,30 @@ from hetfair.options import parse_train_args
 from hetfair_cli.errors import run_cli
 
 
-def _main(argv: list[str]) -> int:
-    args = parse_train_args(argv)
-    if args.list_plugins:
-        return _list_plugins()
-    from hetfair.launch.launcher import launch
-    from hetfair.training import check_before_start, train
+class _TrainCommand:
+    """``hetfair-train``'s work; it remembers whether this process started live training, after which the
+    process must end without the interpreter's teardown (:func:`hetfair.live.recovery.exit_now`)."""
 
-    check_before_start(args)
-    if args.fault_tolerance == "live":
-        from hetfair.live.recovery import train_live
+    def __init__(self) -> None:
+        self.live_started = False
 
-        train_live(args)
+    def __call__(self, argv: list[str]) -> int:
+        args = parse_train_args(argv)
+        if args.list_plugins:
+            return _list_plugins()
+        from hetfair.launch.launcher import launch
+        from hetfair.training import check_before_start, train
+
+        check_before_start(args)
+        if args.fault_tolerance == "live":
+            from hetfair.live.recovery import check_live_options, train_live
+
+            check_live_options(args)
+            self.live_started = True
+            train_live(args)
+            return 0
+        launch(args, train)
         return 0
-    launch(args, train)
-    return 0
 
 
 def _list_plugins() -> int:
@@ -38,7 +47,13 @@ def _list_plugins() -> int:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return run_cli("hetfair-train", _main, argv)
+    command = _TrainCommand()
+    code = run_cli("hetfair-train", command, argv)
+    if command.live_started:
+        from hetfair.live.recovery import exit_now
+
+        exit_now(code)
+    return code
 
 
 if __name__ == "__main__":

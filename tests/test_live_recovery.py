@@ -21,7 +21,7 @@ from typing import Iterator
 
 import pytest
 
-from helpers import final_parameters, start, subprocess_env
+from helpers import final_parameters, subprocess_env, train_command
 from hetfair.checkpoint import load_checkpoint
 from hetfair_cli.train import main as train_main
 from toy_reference import assert_same, reference_parameters, toy_train_args
@@ -32,6 +32,9 @@ LOST_TIMEOUT = "5"  # a survivor stuck in a collective with the other survivor (
 SLOW_LR = 0.05
 WAIT = 150.0  # seconds any one log line may take on a loaded machine before the test fails
 PREEMPTED = 75
+JOB_ENDED_WITHOUT_IT = 3
+NATIVE_LOG = re.compile(r"^\[|^frame #|^Exception raised from|^terminate called")
+"""A line of torch's C++ logs (``[W1201 ... TCPStore.cpp:125] ...``, its frames) or of an abort."""
 
 
 class Process:
@@ -72,17 +75,32 @@ class Process:
     def text(self) -> str:
         return "\n".join(self.lines[-40:])
 
+    def native_lines(self) -> list[str]:
+        return [line for line in self.lines if NATIVE_LOG.search(line)]
+
+
+LIGHTHOUSE = [sys.executable, "-m", "hetfair_cli.lighthouse"]
+
+
+def listening_port(proc: subprocess.Popen) -> int:
+    """The port a lighthouse says it listens on (the lines before, if any, are not that line)."""
+    seen = []
+    for line in proc.stderr:  # type: ignore[union-attr]
+        port = re.search(r"listening on port (\d+)", line)
+        if port:
+            return int(port.group(1))
+        seen.append(line)
+    raise AssertionError(f"the lighthouse ended ({proc.wait()}) without listening:\n{''.join(seen)}")
+
 
 @contextmanager
-def lighthouse_process() -> Iterator[tuple[str, subprocess.Popen]]:
-    """A lighthouse on a free port of 127.0.0.1: its address and process."""
-    proc = subprocess.Popen([sys.executable, "-m", "hetfair.live.lighthouse", "--port", "0", "--host", "127.0.0.1"],
-                            env=subprocess_env(), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+def lighthouse_process(*prefix: str, host: str = "127.0.0.1", port: int = 0) -> Iterator[tuple[str, subprocess.Popen]]:
+    """A lighthouse (run by the command ``prefix``, e.g. in a network namespace) on ``host``: its address and process."""
+    flags = ["--port", str(port)] + (["--host", host] if host != "127.0.0.1" else [])  # loopback is the default
+    proc = subprocess.Popen([*prefix, *LIGHTHOUSE, *flags], env=subprocess_env(), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.PIPE, text=True)
     try:
-        line = proc.stderr.readline()  # type: ignore[union-attr]
-        port = re.search(r"listening on port (\d+)", line)
-        assert port, line
-        yield f"tcp://127.0.0.1:{port.group(1)}", proc
+        yield f"tcp://{host}:{listening_port(proc)}", proc
     finally:
         proc.terminate()
         proc.wait(timeout=30)
@@ -106,8 +124,12 @@ class Job:
             "--distributed-init-method", lighthouse, *extra))
         self.processes: list[Process] = []
 
-    def start(self, batch: int, *extra: str) -> Process:
-        process = Process(start([*self.common, "--max-sentences", str(batch), *extra], self.cwd))
+    def start(self, batch: int, *extra: str, host=None, env: dict[str, str] | None = None) -> Process:
+        """A rank with ``batch``, on ``host`` (a namespace of tests/netns.py; default: this one), in ``env``."""
+        command = train_command(*self.common, "--max-sentences", str(batch), *extra)
+        process = Process(subprocess.Popen(host.command(*command) if host else command, cwd=self.cwd,
+                                           env=env or subprocess_env(), stdout=subprocess.PIPE,
+                                           stderr=subprocess.PIPE, text=True))
         self.processes.append(process)
         return process
 
@@ -121,6 +143,11 @@ class Job:
                 process.proc.kill()
             process.proc.wait(timeout=30)
             print(f"-- process {index} ({process.proc.returncode}):", process.text(), sep="\n", file=sys.stderr)
+
+    def assert_quiet(self) -> None:
+        """No rank printed a line of torch's C++ logs (every one of them is filtered or discarded)."""
+        for process in self.processes:
+            assert not process.native_lines(), process.text()
 
 
 def _updates_after(master: Process, line: int, count: int = 2) -> int:
@@ -160,6 +187,7 @@ def _lose_and_replace(tmp_path: Path, lighthouse: str, lost_rank: int, batches: 
                          replacement.text())
         _updates_after(master, master.wait_for(r"live \| round 3: rank 0 of 3"))
         _preempt_all([*ranks, replacement])
+        job.assert_quiet()
     finally:
         job.close()
     updates = load_checkpoint(job.save_dir / "checkpoint_last.pt")["trainer"]["num_updates"]
@@ -179,6 +207,7 @@ def test_the_state_donor_killed_the_next_rank_leads_and_hands_the_state_to_the_r
 
 
 def test_a_stopped_rank_is_dropped_after_the_live_timeout_and_the_others_finish(tmp_path, lighthouse):
+    """...and the stopped rank, continued after the job ended, ends with its own exit code and one line."""
     job = Job(tmp_path, lighthouse, STOPPED_TIMEOUT, "--max-update", "30")
     try:
         ranks = job.by_rank([job.start(4) for _ in range(3)], 1)
@@ -189,8 +218,13 @@ def test_a_stopped_rank_is_dropped_after_the_live_timeout_and_the_others_finish(
         assert master.proc.wait(timeout=WAIT) == 0, master.text()
         assert ranks[2].proc.wait(timeout=WAIT) == 0, ranks[2].text()
         master.wait_for(r"^done \| num_updates 30 ")
+        os.kill(ranks[1].proc.pid, signal.SIGCONT)
+        assert ranks[1].proc.wait(timeout=WAIT) == JOB_ENDED_WITHOUT_IT, ranks[1].text()
+        ranks[1].wait_for(r"^hetfair-train: error: the job at this lighthouse ended without this process: it was "
+                          r"dropped after round 1 \(no answer for --live-timeout 3s\)")
+        job.assert_quiet()
     finally:
-        job.close()  # the stopped rank is killed
+        job.close()
     # 12 samples per update (3 x 4) from the first round on: the two survivors take two steps each
     assert_same(final_parameters(job.save_dir), reference_parameters(12, train_size=TRAIN_SIZE, updates=30))
 
@@ -216,6 +250,7 @@ def test_losing_a_majority_ends_the_job_with_one_line_and_a_checkpoint(tmp_path,
         for lost in ranks[1:]:
             lost.proc.kill()
         _one_line_stop(ranks[0], r"lost a majority of the ranks \(1 of 3 came back in round \d+\)", job.save_dir, 12)
+        job.assert_quiet()
     finally:
         job.close()
 
@@ -228,7 +263,8 @@ def test_losing_the_lighthouse_ends_the_job_with_one_line_and_a_checkpoint(tmp_p
             ranks[0].wait_for(r"num_updates 5 ")
             keeper.kill()
             _one_line_stop(ranks[0], r"lost the lighthouse tcp://127.0.0.1:\d+ \(.*\)", job.save_dir, 8)
-            assert ranks[1].proc.wait(timeout=WAIT) == 2
+            assert ranks[1].proc.wait(timeout=WAIT) == 2, ranks[1].text()
+            job.assert_quiet()
         finally:
             job.close()
 

@@ -16,8 +16,10 @@ rendezvous's failures as one line of its own.
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Iterator
 
 CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
@@ -45,3 +47,23 @@ def native_stderr_discarded(enabled: bool = True) -> Iterator[None]:
         sys.stderr.close()
         sys.stderr = python_stderr
         os.close(terminal)
+
+
+def store_logs_filtered() -> subprocess.Popen:
+    """From now on, pass what this process writes to file descriptor 2 through a filter process that drops
+    torch's store and socket log records (:mod:`hetfair.launch.store_log_filter`), for the rest of its life.
+
+    For a live rank, whose store is the lighthouse: it meets in a new round whenever a member changes, and
+    its heartbeat thread's store calls log ~20 lines of C++ frames when the lighthouse goes away, while
+    training runs on the main thread, so no block can discard them as the rendezvous's are. The filter is
+    a process of its own, so that a crash's last lines still reach the terminal.
+    """
+    sys.stderr.flush()
+    read_end, write_end = os.pipe()
+    script = Path(__file__).with_name("store_log_filter.py")
+    child = subprocess.Popen([sys.executable, "-I", str(script)], stdin=read_end, stdout=2,
+                             stderr=subprocess.DEVNULL, close_fds=True)
+    os.close(read_end)
+    os.dup2(write_end, 2)
+    os.close(write_end)
+    return child

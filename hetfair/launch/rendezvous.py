@@ -138,7 +138,8 @@ def create_store(address: StoreAddress, rank: int, world_size: int, timeout: flo
     try:
         if rank == 0:
             return host_tcp_store(address, world_size, timeout)
-        _wait_until_reachable(address, rank, deadline, timeout)
+        wait_until_reachable(address, timeout, f"rank {rank} could not reach rank 0",
+                             "start rank 0's command or check --distributed-init-method")
         return dist.TCPStore(address.host, address.port, world_size, is_master=False,
                              timeout=timedelta(seconds=max(1.0, deadline - time.monotonic())))
     except (RuntimeError, OSError) as exc:
@@ -151,27 +152,32 @@ def create_store(address: StoreAddress, rank: int, world_size: int, timeout: flo
 
 def host_tcp_store(address: StoreAddress, world_size: int, timeout: float) -> dist.Store:
     """Host a tcp store at ``address`` (port 0: a free one, see its ``port``); on loopback, listen there only."""
-    listen_fd = None
-    if address.is_loopback:
-        family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
-        listener = socket.socket(family, socket.SOCK_STREAM)
-        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        listener.bind((address.host, address.port))
-        listener.listen(max(128, world_size))
-        listen_fd = listener.detach()  # the store owns the socket from now on
+    listen_fd = listening_socket(address.host, address.port, max(128, world_size)) if address.is_loopback else None
     return dist.TCPStore(address.host, address.port, world_size, is_master=True,
                          timeout=timedelta(seconds=timeout), wait_for_workers=False, master_listen_fd=listen_fd)
 
 
-def _wait_until_reachable(address: StoreAddress, rank: int, deadline: float, timeout: float) -> None:
+def listening_socket(host: str, port: int, backlog: int = 128) -> int:
+    """A socket listening on ``host``'s address only (torch's store server would listen on every interface), as a
+    file descriptor for ``TCPStore(master_listen_fd=...)``, which owns it from then on."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    listener = socket.socket(family, socket.SOCK_STREAM)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen(backlog)
+    return listener.detach()
+
+
+def wait_until_reachable(address: StoreAddress, timeout: float, failure: str, fix: str) -> None:
+    """Return once ``address`` accepts connections; after ``timeout`` seconds, one error line: ``failure`` (such as
+    "rank 1 could not reach rank 0"), the address, why, then ``fix``."""
+    deadline = time.monotonic() + timeout
     while True:
         try:
             with socket.create_connection((address.host, address.port), timeout=max(0.1, deadline - time.monotonic())):
                 return
         except OSError as exc:
             if time.monotonic() >= deadline:
-                raise DistributedError(
-                    f"rank {rank} could not reach rank 0 at {address.host}:{address.port} within {timeout:.0f}s "
-                    f"({exc.strerror or exc}); start rank 0's command or check --distributed-init-method"
-                ) from None
+                raise DistributedError(f"{failure} at {address.host}:{address.port} within {timeout:.0f}s "
+                                       f"({exc.strerror or exc}); {fix}") from None
         time.sleep(0.2)

@@ -1,51 +1,45 @@
 """The lighthouse of ``--fault-tolerance live``: the store where the ranks meet, on a process of its own.
 
-``python -m hetfair.live.lighthouse --port 29400`` serves a :class:`torch.distributed.TCPStore` until
-SIGTERM or Ctrl-C. It holds no training state, only the membership rounds and heartbeats
-(:mod:`hetfair.live.membership`), so it lives on a machine that stays (your own) and is the one part of
-a live job that must not be lost. Every rank's ``--distributed-init-method tcp://HOST:PORT`` names it.
+``hetfair-lighthouse --port 29400`` serves a :class:`torch.distributed.TCPStore` on the loopback
+address until SIGTERM or Ctrl-C; ``--host ADDRESS`` serves it on that address (``0.0.0.0``: every
+interface), for ranks on other machines. It holds no training state, only the membership rounds and
+heartbeats (:mod:`hetfair.live.membership`), so it lives on a machine that stays (your own) and is the
+one part of a live job that must not be lost. Every rank's ``--distributed-init-method tcp://HOST:PORT``
+names it. It knows no secret: the ranks sign and hide their own records (:mod:`hetfair.live.records`).
 """
 
 from __future__ import annotations
 
-import argparse
-import signal
-import sys
-import threading
+import socket
 from datetime import timedelta
-from typing import Any, Optional, Sequence
 
 import torch.distributed as dist
 
+from hetfair.errors import ConfigError, DistributedError, first_line
+from hetfair.launch.rendezvous import listening_socket
 
-def serve(port: int, host: str = "0.0.0.0") -> dist.TCPStore:
-    """Start the store server on ``port`` (0: a free one; see ``.port``) and return it (it serves while referenced)."""
-    return dist.TCPStore(host, port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False)
+DEFAULT_HOST = "127.0.0.1"
+"""Where the lighthouse listens unless told: only this machine's ranks reach it."""
 
 
-def main(argv: Optional[Sequence[str]] = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hetfair.live.lighthouse",
-                                     description="serve the membership store of a --fault-tolerance live job")
-    parser.add_argument("--port", type=int, default=29400, help="TCP port to listen on (0: a free one)")
-    parser.add_argument("--host", default="0.0.0.0", help="address to listen on (default: every interface)")
-    args = parser.parse_args(argv)
+def resolve(host: str) -> str:
+    """``host``'s address, or one error line when it has none."""
     try:
-        store = serve(args.port, args.host)
-    except (RuntimeError, dist.DistNetworkError) as exc:
-        print(f"hetfair-lighthouse: error: cannot listen on port {args.port}: {str(exc).splitlines()[0]}",
-              file=sys.stderr, flush=True)
-        return 1
-    stop = threading.Event()
-
-    def on_signal(signum: int, frame: Any) -> None:
-        stop.set()
-
-    for signum in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(signum, on_signal)
-    print(f"lighthouse | listening on port {store.port}", file=sys.stderr, flush=True)
-    stop.wait()
-    return 0
+        return socket.getaddrinfo(host, None, type=socket.SOCK_STREAM)[0][4][0]
+    except (socket.gaierror, UnicodeError) as exc:
+        raise ConfigError(f"--host {host}: no such address ({exc.args[-1] if exc.args else exc}); give an address "
+                          f"of this machine, e.g. {DEFAULT_HOST} or 0.0.0.0 for every interface") from None
 
 
-if __name__ == "__main__":
-    raise SystemExit(main())
+def serve(port: int, host: str = DEFAULT_HOST) -> dist.TCPStore:
+    """Start the store server on ``host``'s address and ``port`` (0: a free one; see ``.port``) and return it
+    (it serves while referenced)."""
+    address = resolve(host)
+    try:
+        listen_fd = listening_socket(address, port)
+        return dist.TCPStore(address, port, None, True, timeout=timedelta(seconds=30), wait_for_workers=False,
+                             master_listen_fd=listen_fd)
+    except (OSError, RuntimeError, dist.DistError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else first_line(exc)
+        raise DistributedError(f"cannot listen on {host} port {port}: {reason}; choose another --port, or stop "
+                               f"the program that listens there") from exc

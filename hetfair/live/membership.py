@@ -12,6 +12,9 @@ heartbeating (dropped), or, in the job's first round, when ``--distributed-world
 Closing is one ``compare_set``, so exactly one decision stands. Survivors keep their order, joiners
 follow in order of arrival. Every process beats a counter on the lighthouse from a thread of its own
 (:class:`Heartbeat`), which also watches for an arrival in the next round: a process waiting to join.
+
+Every key lies under the job's secret prefix and every record read is checked against the job's secret
+(:mod:`hetfair.live.records`): an arrival, decision, round number or end that is not signed is not there.
 """
 
 from __future__ import annotations
@@ -22,12 +25,12 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
-from datetime import timedelta
-from typing import Optional
+from typing import Callable, Optional
 
 import torch.distributed as dist
 
-from hetfair.errors import DistributedError
+from hetfair.errors import DistributedError, HetfairError, first_line
+from hetfair.live.records import JobRecords
 
 HEARTBEAT_SECONDS = 0.25
 """How often a process beats its counter on the lighthouse."""
@@ -43,8 +46,11 @@ def say(line: str) -> None:
     print(f"live | {line}", file=sys.stderr, flush=True)
 
 
-class JobFinished(Exception):
-    """The job ended while this process waited to join it."""
+class JobEnded(HetfairError):
+    """The job ended while this process waited to join it, or without it (it had been dropped): exit code 3, which a
+    requeue script must not take for success (0) nor for a preemption (75)."""
+
+    exit_code = 3
 
 
 @dataclass(frozen=True)
@@ -90,15 +96,11 @@ class Group:
         return [rank for rank, m in enumerate(self.members) if m.progress != newest]
 
 
-def _client(host: str, port: int, timeout: float) -> dist.TCPStore:
-    return dist.TCPStore(host, port, None, False, timeout=timedelta(seconds=timeout))
-
-
 class Heartbeat:
     """A thread that beats this process's counter and notices a process waiting in the next round."""
 
-    def __init__(self, host: str, port: int, uid: str, timeout: float) -> None:
-        self.store = dist.PrefixStore("hetfair/live", _client(host, port, timeout))
+    def __init__(self, records: JobRecords, uid: str) -> None:
+        self.records = records
         self.uid = uid
         self.current_round = 0
         self.join_waiting = False
@@ -111,8 +113,8 @@ class Heartbeat:
     def _beat(self) -> None:
         while not self._stop.is_set():
             try:
-                self.store.add(f"hb/{self.uid}", 1)
-                self.join_waiting = self.store.check([f"r{self.current_round + 1}/arrived"])
+                self.records.add(f"hb/{self.uid}", 1)
+                self.join_waiting = self.records.store.check([f"r{self.current_round + 1}/arrived"])
             except (RuntimeError, dist.DistError) as exc:
                 self.lost = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
                 return
@@ -126,15 +128,17 @@ class Heartbeat:
 class Membership:
     """This process's part in the rounds: arrive, wait for the decision, and know when to arrive again."""
 
-    def __init__(self, host: str, port: int, initial_world_size: int, timeout: float, live_timeout: float) -> None:
-        self.store = dist.PrefixStore("hetfair/live", _client(host, port, timeout))
+    def __init__(self, connect: Callable[[], JobRecords], initial_world_size: int, timeout: float,
+                 live_timeout: float) -> None:
+        """``connect``: a new client of the lighthouse (one for the rounds, one for the heartbeat thread)."""
+        self.records = connect()
         self.uid = uuid.uuid4().hex
         self.initial_world_size = initial_world_size
         self.timeout = timeout
         self.live_timeout = live_timeout
         self.stale_seconds = min(STALE_SECONDS, live_timeout)
         self.group: Optional[Group] = None
-        self.heartbeat = Heartbeat(host, port, self.uid, timeout)
+        self.heartbeat = Heartbeat(connect(), self.uid)
         self._seen: dict[str, tuple[int, float]] = {}  # uid -> (counter, when it last moved)
 
     # -- what the training loop asks between updates ------------------------------------------
@@ -145,9 +149,14 @@ class Membership:
     def lighthouse_lost(self) -> Optional[str]:
         return self.heartbeat.lost
 
+    @property
+    def store(self) -> dist.Store:
+        """The job's keys (under its secret prefix), where each round's process group meets."""
+        return self.records.store
+
     def finish(self) -> None:
         """Tell processes waiting to join that the job is over."""
-        self.store.set("finished", "1")
+        self.records.set("finished", "1")
 
     def close(self) -> None:
         self.heartbeat.close()
@@ -155,7 +164,14 @@ class Membership:
     # -- rounds -------------------------------------------------------------------------------
     def next_group(self, progress: Optional[Progress]) -> Group:
         """Arrive in the next round with ``progress`` and return its group once closed (this process in it)."""
-        latest = int(self.store.add("latest", 0))
+        try:
+            return self._next_group(progress)
+        except (RuntimeError, dist.DistError) as exc:
+            raise DistributedError(f"lost the lighthouse while agreeing on the members ({first_line(exc)}); start a "
+                                   f"new lighthouse and the same commands to resume from the last checkpoint") from exc
+
+    def _next_group(self, progress: Optional[Progress]) -> Group:
+        latest = int(self.records.get("latest") or 0)
         number = max(latest, self.group.round if self.group else 0) + 1
         self._arrive(number, progress)
         deadline = time.monotonic() + self.timeout + self.live_timeout  # a member may be stuck in a collective
@@ -168,8 +184,8 @@ class Membership:
                 number += 1  # closed without this process (its heartbeat looked dead): the next one
                 self._arrive(number, progress)
                 continue
-            if self.store.check(["finished"]):
-                raise JobFinished()
+            if self.records.get("finished") is not None:
+                raise self._ended()
             self._close_if_due(number)
             if time.monotonic() > deadline:
                 raise DistributedError(f"membership round {number} did not close within --distributed-timeout "
@@ -177,10 +193,17 @@ class Membership:
                                        f"the lighthouse")
             time.sleep(_POLL_SECONDS)
 
+    def _ended(self) -> JobEnded:
+        if self.group is None:
+            return JobEnded("the job at this lighthouse has ended; start a new lighthouse for a new run")
+        return JobEnded(f"the job at this lighthouse ended without this process: it was dropped after round "
+                        f"{self.group.round} (no answer for --live-timeout {self.live_timeout:g}s), and the others "
+                        f"finished and saved the run; start a new lighthouse for a new run")
+
     def _arrive(self, number: int, progress: Optional[Progress]) -> None:
-        self.store.set(f"r{number}/info/{self.uid}", json.dumps({"progress": progress}))
-        index = int(self.store.add(f"r{number}/arrived", 1))
-        self.store.set(f"r{number}/uid/{index}", self.uid)
+        self.records.set(f"r{number}/info/{self.uid}", json.dumps({"progress": progress}))
+        index = self.records.add(f"r{number}/arrived", 1)
+        self.records.set(f"r{number}/uid/{index}", self.uid)
         say(f"waiting in round {number} (arrival {index})")
 
     def _joined(self, number: int, members: list[Member]) -> Group:
@@ -192,28 +215,28 @@ class Membership:
         return self.group
 
     def _decision(self, number: int) -> Optional[list[Member]]:
-        key = f"r{number}/closed"
-        if number < 1 or not self.store.check([key]):
+        decision = self.records.get(f"r{number}/closed") if number >= 1 else None
+        if decision is None:
             return None
         return [Member(uid, tuple(progress) if progress is not None else None)  # type: ignore[arg-type]
-                for uid, progress in json.loads(self.store.get(key))]
+                for uid, progress in json.loads(decision)]
 
     def _arrivals(self, number: int) -> Optional[list[Member]]:
-        """The round's arrivals in order; ``None`` while one of them is still writing its keys."""
-        count = int(self.store.add(f"r{number}/arrived", 0))
+        """The round's arrivals in order; ``None`` while one of them is still writing its records."""
+        count = self.records.add(f"r{number}/arrived", 0)
         arrivals = []
         for index in range(1, count + 1):
-            key = f"r{number}/uid/{index}"
-            if not self.store.check([key]):
+            uid = self.records.get(f"r{number}/uid/{index}")
+            info = self.records.get(f"r{number}/info/{uid}") if uid is not None else None
+            if info is None:
                 return None
-            uid = self.store.get(key).decode()
-            progress = json.loads(self.store.get(f"r{number}/info/{uid}"))["progress"]
+            progress = json.loads(info)["progress"]
             arrivals.append(Member(uid, tuple(progress) if progress is not None else None))  # type: ignore[arg-type]
         return arrivals
 
     def _alive(self, uid: str) -> bool:
         """Whether ``uid``'s heartbeat counter moved within the stale time (as seen from here)."""
-        counter, now = int(self.store.add(f"hb/{uid}", 0)), time.monotonic()
+        counter, now = self.records.add(f"hb/{uid}", 0), time.monotonic()
         seen = self._seen.get(uid)
         if seen is None or seen[0] != counter:
             self._seen[uid] = (counter, now)
@@ -241,5 +264,5 @@ class Membership:
             survivors = [arrived[m.uid] for m in previous if m.uid in arrived]
             kept = {m.uid for m in previous}
             members = survivors + [m for m in arrivals if m.uid not in kept]
-        self.store.compare_set(f"r{number}/closed", "", json.dumps([[m.uid, m.progress] for m in members]))
-        self.store.set("latest", str(number))
+        self.records.decide(f"r{number}/closed", json.dumps([[m.uid, m.progress] for m in members]))
+        self.records.set("latest", str(number))

@@ -5,7 +5,16 @@ store prefix, and a new :class:`~hetfair.training.TrainingRun` on it (in this pr
 checkpoint read). What carries over is the run's in-memory state, :meth:`Checkpointer.state`:
 parameters, optimizer state, schedule, data position, loss scale, balancer, clock. A rank whose state
 is not the newest (a joiner, or a survivor that had not finished the update the others finished) gets
-the donor's by one broadcast; the others keep their own.
+the donor's as a ``torch.save`` archive loaded with ``weights_only=True`` (:mod:`hetfair.live.state_transfer`:
+nothing a peer sends is unpickled); the others keep their own.
+
+Who may take part: the rounds are the job's signed records under its secret prefix
+(:mod:`hetfair.live.records`); the secret is the one of a tcp:// job (``HETFAIR_SECRET`` /
+``--distributed-secret``), required when the lighthouse is not on loopback.
+
+Every way a rank ends once it met the lighthouse (done, an error, preempted, the job over) leaves without
+the interpreter's teardown (:func:`exit_now`): a group left behind after a lost peer, or the store client
+of a lighthouse that went away, may still run a C++ thread that aborts the process when it is destroyed.
 
 An update in flight when a peer is lost is dropped: its collectives fail (a dead peer's connection
 closes, a stopped one makes them time out after ``--live-timeout``) before the optimizer steps, so the
@@ -17,23 +26,28 @@ are split over ranks and steps, so the run ends with the parameters of an uninte
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import os
 import sys
 from datetime import timedelta
-from typing import Any, Optional
+from typing import Any, NoReturn, Optional
 
 import torch
 import torch.distributed as dist
 
-from hetfair.errors import ConfigError, DistributedError
+from hetfair.errors import ConfigError, DistributedError, first_line
 from hetfair.launch.launcher import looks_like_lost_peer
+from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded, store_logs_filtered
 from hetfair.launch.network import choose_interface, use_interface
 from hetfair.launch.preemption import preemptible
-from hetfair.launch.rendezvous import parse_init_method
-from hetfair.live.membership import Group, JobFinished, Membership, Progress, say
+from hetfair.launch.rendezvous import StoreAddress, job_secret, parse_init_method, wait_until_reachable
+from hetfair.live.membership import Group, Membership, Progress, say
+from hetfair.live.records import JobRecords
+from hetfair.live.state_transfer import broadcast_state
 from hetfair.logging.progress import Progress as ProgressOutput
 from hetfair.parallel import ParallelConfig
+from hetfair.parallel.collectives import comm_device
 from hetfair.parallel.context import DistributedContext
 from hetfair.plugins import import_user_dir
 from hetfair.training import Regroup, TrainingRun
@@ -47,7 +61,7 @@ REFUSED_BACKENDS = {
 
 
 def check_live_options(args: argparse.Namespace) -> None:
-    """Refuse, in one line each, what live recovery cannot keep exact."""
+    """Refuse, in one line each, what live recovery cannot keep exact (before anything starts)."""
     config = ParallelConfig.from_args(args)
     why = REFUSED_BACKENDS.get(config.ddp_backend)
     if why:
@@ -59,54 +73,68 @@ def check_live_options(args: argparse.Namespace) -> None:
     init = args.distributed_init_method or ""
     if not init.startswith("tcp://"):
         raise ConfigError("--fault-tolerance live needs --distributed-init-method tcp://HOST:PORT, the address of "
-                          "the lighthouse (start it with: python -m hetfair.live.lighthouse --port PORT)")
+                          "the lighthouse (start it with: hetfair-lighthouse --port PORT)")
     if (args.distributed_gpus or 1) != 1 or isinstance(args.max_sentences, tuple):
         raise ConfigError("--fault-tolerance live runs one process per command: give --distributed-gpus 1 and one "
                           "--max-sentences value, and start one command per process")
 
 
 def train_live(args: argparse.Namespace) -> None:
-    """Train as one process of a live job, through every membership change, until the job ends."""
-    check_live_options(args)
+    """Train as one process of a live job, through every membership change, until the job ends.
+
+    Call :func:`check_live_options` first; after this, end the process with :func:`exit_now`.
+    """
     if args.user_dir:
         import_user_dir(args.user_dir)
     address = parse_init_method(args.distributed_init_method, os.environ)
+    secret = job_secret(args.distributed_secret, address, os.environ)  # refused off loopback without one
     device = _device(args)
     use_interface(choose_interface(args.distributed_interface, address), device,
                   override=args.distributed_interface is not None)
-    membership = Membership(address.host, address.port, args.distributed_world_size, args.distributed_timeout,
-                            args.live_timeout)
+    quiet = not args.debug and CPP_LOG_LEVEL_ENV not in os.environ
+    if quiet:
+        store_logs_filtered()  # a store's C++ log records, as the tcp:// path discards the rendezvous's
+    wait_until_reachable(address, args.distributed_timeout, "could not reach the lighthouse",
+                         f"start it first (hetfair-lighthouse --host {address.host} --port {address.port}, on that "
+                         f"machine) or check --distributed-init-method")
+    connect = functools.partial(_connect, address, secret, args.distributed_timeout)
+    connect().claim(args.distributed_init_method)
+    membership = Membership(connect, args.distributed_world_size, args.distributed_timeout, args.live_timeout)
     try:
         with preemptible():
-            left_groups = _train_rounds(args, membership, device)
-        if left_groups:
-            _exit_past_left_groups()
-    except JobFinished:
-        print("hetfair-train: the job at this lighthouse has ended; start a new lighthouse for a new run",
-              file=sys.stderr, flush=True)
+            _train_rounds(args, membership, device)
     finally:
         membership.close()
 
 
-def _exit_past_left_groups() -> None:
-    """End the process now that training is done and saved, without the interpreter's teardown: a group left
-    behind after a lost peer may still run a gloo thread on a collective with that peer, and destroying it at
-    exit aborts the process (SIGABRT), which a job script would take for a failure."""
+def _connect(address: StoreAddress, secret: bytes, timeout: float) -> JobRecords:
+    """A new client of the lighthouse, as the job's records."""
+    try:
+        store = dist.TCPStore(address.host, address.port, None, False, timeout=timedelta(seconds=timeout))
+    except (RuntimeError, dist.DistError) as exc:
+        raise DistributedError(f"could not connect to the lighthouse at {address.host}:{address.port} "
+                               f"({first_line(exc)}); check that hetfair-lighthouse listens there") from exc
+    return JobRecords(store, secret)
+
+
+def exit_now(code: int) -> NoReturn:
+    """End a process that met a live job's lighthouse with ``code``, without the interpreter's teardown (which
+    would destroy a group left behind, or the store client of a lost lighthouse, while its C++ thread runs:
+    SIGABRT instead of ``code``)."""
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    os._exit(0)
+    os._exit(code)
 
 
-def _train_rounds(args: argparse.Namespace, membership: Membership, device: torch.device) -> int:
-    """Train through the rounds; the number of groups left behind on the way."""
+def _train_rounds(args: argparse.Namespace, membership: Membership, device: torch.device) -> None:
+    """Train through the rounds until the job is done."""
     state: Optional[dict[str, Any]] = None
-    left = 0
     while True:
         group = membership.next_group(_progress(state))
         run: Optional[TrainingRun] = None
         try:
             context = _form_group(group, membership, args, device)
-            state = _share_state(group, state)
+            state = _share_state(group, state, context)
             _announce(group, state)
             if group.majority_lost:
                 if context.is_master:
@@ -121,7 +149,7 @@ def _train_rounds(args: argparse.Namespace, membership: Membership, device: torc
                 membership.finish()
             dist.barrier()
             dist.destroy_process_group()
-            return left
+            return
         except Regroup:
             lost = membership.lighthouse_lost()
             if _on_any_rank(lost is not None, device):  # the group still works: every rank saves and stops
@@ -136,7 +164,6 @@ def _train_rounds(args: argparse.Namespace, membership: Membership, device: torc
             state = run.checkpointer.state()
         del run
         _leave_group()
-        left += 1
         gc.collect()
 
 
@@ -144,20 +171,21 @@ def _form_group(group: Group, membership: Membership, args: argparse.Namespace,
                 device: torch.device) -> DistributedContext:
     """The round's default process group, its collectives timing out after ``--live-timeout``."""
     backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend, store=dist.PrefixStore(f"r{group.round}/pg", membership.store),
-                            rank=group.rank, world_size=group.world_size,
-                            timeout=timedelta(seconds=args.live_timeout))
+    with native_stderr_discarded(enabled=not args.debug and CPP_LOG_LEVEL_ENV not in os.environ):
+        dist.init_process_group(backend, store=dist.PrefixStore(f"r{group.round}/pg", membership.store),
+                                rank=group.rank, world_size=group.world_size,
+                                timeout=timedelta(seconds=args.live_timeout))
     return DistributedContext(rank=group.rank, world_size=group.world_size, local_rank=0, device=device)
 
 
-def _share_state(group: Group, own: Optional[dict[str, Any]]) -> Optional[dict[str, Any]]:
-    """The state this rank trains on: its own, or the donor's when its own is not the newest (one broadcast)."""
+def _share_state(group: Group, own: Optional[dict[str, Any]],
+                 context: DistributedContext) -> Optional[dict[str, Any]]:
+    """The state this rank trains on: its own, or the donor's when its own is not the newest."""
     donor, receivers = group.donor(), group.receivers()
     if donor is None or not receivers:
         return own
-    carrier = [own if group.rank == donor else None]
-    dist.broadcast_object_list(carrier, src=donor)
-    return carrier[0] if group.rank in receivers else own
+    shared = broadcast_state(own, donor, group.rank, comm_device(context))
+    return shared if group.rank in receivers else own
 
 
 def _leave_group() -> None:
