@@ -147,7 +147,7 @@ def start_command(arguments: list[str], env: dict[str, str]) -> Agent:
 
 
 def start_lighthouse(env: dict[str, str]) -> tuple[Agent, str]:
-    lighthouse = start_command(["-m", "hetfair.live.lighthouse", "--port", "0", "--host", "127.0.0.1"], env)
+    lighthouse = start_command(["-m", "hetfair_cli.lighthouse", "--port", "0"], env)
     _, line = wait_for(lighthouse, 0.0, "listening on port")
     return lighthouse, f"tcp://127.0.0.1:{line.split()[-1]}"
 
