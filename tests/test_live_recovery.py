@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -285,3 +286,32 @@ def test_modes_live_recovery_cannot_keep_are_refused_in_one_line(tmp_path, capsy
     assert train_main(args) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("hetfair-train: error: --fault-tolerance live ") and message in err
+
+
+def test_no_lighthouse_is_one_line_after_the_timeout_and_its_advice_starts_one(tmp_path):
+    with socket.socket() as closed:  # a free port, closed again: nothing listens there
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    job = Job(tmp_path, f"tcp://127.0.0.1:{port}", "3", "--distributed-timeout", "2", "--distributed-world-size", "1",
+              "--max-update", "3")
+    try:
+        rank = job.start(4)
+        assert rank.proc.wait(timeout=WAIT) == 2, rank.text()
+        rank.wait_for(".")
+        assert rank.lines == [f"hetfair-train: error: could not reach the lighthouse at 127.0.0.1:{port} within 2s "
+                              f"(Connection refused); start it first (hetfair-lighthouse --host 127.0.0.1 --port "
+                              f"{port}, on that machine) or check --distributed-init-method"], rank.text()
+        advice = re.search(r"start it first \((hetfair-lighthouse [^,]+),", rank.lines[0]).group(1)  # type: ignore
+        script = Path(sys.executable).with_name("hetfair-lighthouse")  # the console script, as typed
+        lighthouse = subprocess.Popen([str(script), *advice.split()[1:]], env=subprocess_env(),
+                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+        try:
+            assert listening_port(lighthouse) == port
+            again = job.start(4)
+            assert again.proc.wait(timeout=WAIT) == 0, again.text()
+            again.wait_for(r"^done \| num_updates 3 ")
+        finally:
+            lighthouse.terminate()
+            lighthouse.wait(timeout=30)
+    finally:
+        job.close()
