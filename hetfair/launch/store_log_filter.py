@@ -15,50 +15,51 @@ import os
 import re
 import signal
 
-STORE_RECORD = re.compile(rb"^(\[rank\d+\]:)?\[[WEIF]\d{4} [\d:.]+ (TCPStore\w*|socket|Backoff)\.cpp:\d+\]")
-"""The first line of a log record of torch's TCPStore or its sockets."""
+STORE_RECORD = re.compile(rb"(\[rank\d+\]:)?\[[WEIF]\d{4} [\d:.]+ (TCPStore\w*|socket)\.cpp:\d+\]")
+"""The header of a log record of torch's TCPStore or its sockets (it may interrupt a line of Python's)."""
+_HEAD = rb"[WEIF](\d{1,4}( ([\d:.]+( ([\w.]+(:\d*)?)?)?)?)?)?"  # any start of "W1201 23:20:25.906 TCPStore.cpp:125"
+_RANK = rb"r(a(n(k(\d+(\](:(\[(" + _HEAD + rb")?)?)?)?)?)?)?)?"  # any start of "rank0]:[W1201 ..."
+RECORD_START = re.compile(rb"\[(" + _RANK + rb"|" + _HEAD + rb")?$")
+"""The end of a partial line that may still grow into a record's header."""
 RECORD_DETAIL = (b"Exception raised from ", b"frame #", b"<omitting python frames>")
 
 
 class Filter:
-    """Lines in, lines out, without the store's records; a partial line goes out at once unless it may start one."""
+    """Bytes in, the same bytes out but the store's records; a partial line goes out at once, but for an end
+    of it that may start a record."""
 
     def __init__(self) -> None:
-        self.pending = b""  # the start of a line that may be a record's first line
+        self.pending = b""  # held back: the start of a line that may be (or is) a record's
         self.in_record = False
-        self.at_line_start = True
 
     def feed(self, data: bytes) -> bytes:
-        out = []
-        data = self.pending + data
-        self.pending = b""
-        while data:
-            line, newline, data = data.partition(b"\n")
-            if not newline:  # a partial line
-                if self.at_line_start and (line.startswith(b"[") or self.in_record):
-                    self.pending = line
-                else:
-                    out.append(line)
-                    self.at_line_start = False
-                break
-            if self.at_line_start and self._dropped(line):
-                continue
-            out.append(line + b"\n")
-            self.at_line_start = True
-        return b"".join(out)
-
-    def _dropped(self, line: bytes) -> bool:
-        if STORE_RECORD.match(line):
-            self.in_record = True
-            return True
-        if self.in_record and (line.startswith(RECORD_DETAIL) or not line.strip()):
-            self.in_record = line.strip() != b""  # the blank line ends the record
-            return True
-        self.in_record = False
-        return False
+        *lines, rest = (self.pending + data).split(b"\n")
+        return b"".join([*(self._line(line) for line in lines), self._partial(rest)])
 
     def close(self) -> bytes:
-        return self.pending
+        return b"" if self.in_record else self.pending
+
+    def _line(self, line: bytes) -> bytes:
+        if self.in_record:
+            if line.startswith(RECORD_DETAIL):
+                return b""
+            self.in_record = False
+            if not line.strip():  # the blank line that ends a record
+                return b""
+        match = STORE_RECORD.search(line)
+        if match:
+            self.in_record = True
+            return line[: match.start()]  # a line it interrupted goes on after it
+        return line + b"\n"
+
+    def _partial(self, rest: bytes) -> bytes:
+        if self.in_record:
+            self.pending = rest
+            return b""
+        match = STORE_RECORD.search(rest) or RECORD_START.search(rest)
+        cut = match.start() if match else len(rest)
+        self.pending = rest[cut:]
+        return rest[:cut]
 
 
 def main() -> None:
