@@ -10,6 +10,7 @@ simulated cluster holds about 300M before its first step, and each sample of ``-
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -20,6 +21,7 @@ from torch import nn
 
 from helpers import REPO_ROOT, final_parameters, subprocess_env, train_command
 from hetfair.memory.peak import current_bytes
+from hetfair.memory.sizes import parse_size
 from hetfair.plan.probe import SEARCH_PRECISION, BatchSearch, MicroBatchProbe
 from hetfair.plan.state import optimizer_state_ratio
 
@@ -96,17 +98,26 @@ def test_budgets_give_their_own_micro_batches_and_train_as_the_hand_written_comm
 def test_auto_backend_shards_a_model_whose_state_fits_no_rank(tmp_path):
     # 113M of parameters (P) in three 38M sharding units (U), Adam's two moments (O = 2P), about 300M before
     # the first step: replicated needs 300M + P + P + O = 750M per process, sharded in halves
-    # 300M + P + P + O/2 + 2U - P = 600M; equal budgets of 680M
-    result = hetfair_train(tmp_path, "--user-dir", str(SIMCLUSTER), "--task", "sim", "--sim-train-size", "16",
-                           "--sim-hidden", "3072", "--sim-layers", "3", "--sim-speeds", "1,1", "--sim-sample-ms", "0",
-                           "--max-sentences", "2", "--memory-budget", "680M", "--ddp-backend", "auto",
-                           "--distributed-world-size", "2", "--max-update", "1", "--no-save", "--disable-validation",
-                           "--log-format", "simple", "--distributed-timeout", "60")
+    # 300M + P + P + O/2 + 2U - P = 600M; equal budgets of 680M. Replicated (the default backend), not one sample
+    # fits: the error says to shard, and the command that does trains.
+    flags = ["--user-dir", str(SIMCLUSTER), "--task", "sim", "--sim-train-size", "16", "--sim-hidden", "3072",
+             "--sim-layers", "3", "--sim-speeds", "1,1", "--sim-sample-ms", "0", "--max-sentences", "auto",
+             "--distributed-world-size", "2", "--max-update", "1", "--no-save", "--disable-validation",
+             "--log-format", "simple", "--distributed-timeout", "60"]
+    replicated = hetfair_train(tmp_path, *flags, "--memory-budget", "680M")
+    assert replicated.returncode == 2 and "cannot train even one sample" in replicated.stderr, replicated.stderr
+    assert "shard the state (--ddp-backend auto)" in replicated.stderr
+    assert "out of the job" not in replicated.stderr  # both ranks are short: leaving them out leaves nothing
+    result = hetfair_train(tmp_path, *flags, "--memory-budget", "680M", "--ddp-backend", "auto")
     assert result.returncode == 0, result.stderr
     assert plan_line(result.stderr, "plan | --ddp-backend ").startswith(
         "plan | --ddp-backend fully_sharded: rank(s) 0, 1 cannot hold the model's state")
     assert [row["shard"] for row in plan_rows(result.stderr)] == ["0.50", "0.50"]
     assert "num_updates 1" in result.stderr  # trained on the sharded backend
+    # sharded already and still short of one sample: the error no longer offers sharding
+    sharded = hetfair_train(tmp_path, *flags, "--memory-budget", "450M", "--ddp-backend", "auto")
+    assert sharded.returncode == 2 and "cannot train even one sample" in sharded.stderr, sharded.stderr
+    assert "--ddp-backend" not in sharded.stderr
 
 
 def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
@@ -120,12 +131,22 @@ def test_dry_run_prints_the_plan_and_writes_nothing(tmp_path):
     assert sorted(tmp_path.iterdir()) == []  # no checkpoint directory, no TensorBoard files
 
 
-def test_a_budget_too_small_for_one_sample_is_one_error_line(tmp_path):
-    result = hetfair_train(tmp_path, *sim_flags(tmp_path / "ckpt", "--max-sentences", "auto",
-                                                "--memory-budget", "64M", "--max-update", "1"))
-    assert result.returncode != 0 and result.stderr.count("\n") == 1, result.stderr
-    assert result.stderr.startswith("hetfair-train: error: rank 0 (cpu) cannot train even one sample within its "
-                                    "memory budget 64.0M")
+def test_a_budget_too_small_for_one_sample_is_one_error_line_whose_remedies_each_make_a_plan(tmp_path):
+    """Rank 0's 64M is below what its process holds before any step (measured and said): sharding cannot
+    help, so it is not offered; the budget the error names, and leaving rank 0 out, each make a plan."""
+    flags = sim_flags(tmp_path / "ckpt", "--max-sentences", "auto", "--max-update", "1")
+    result = hetfair_train(tmp_path, *flags, "--memory-budget", "64M,2G", "--distributed-world-size", "2")
+    error = result.stderr
+    assert result.returncode == 2 and error.count("\n") == 1, error
+    assert "rank 0 (cpu) cannot train even one sample within its memory budget 64.0M" in error
+    held = re.search(r"the process held ([\d.]+[KMG]) before any step, measured", error)
+    assert held and parse_size(held[1]) > parse_size("64M"), error
+    assert "--ddp-backend" not in error
+    budget = re.search(r"give rank\(s\) 0 a --memory-budget of at least ([\d.]+[KMG])", error)
+    assert budget and "or leave rank(s) 0 out of the job" in error, error
+    for fix in (["--memory-budget", f"{budget[1]},2G", "--distributed-world-size", "2"], ["--memory-budget", "2G"]):
+        followed = hetfair_train(tmp_path, *flags, *fix, "--dry-run")
+        assert followed.returncode == 0 and "dry run | " in followed.stderr, (fix, followed.stderr)
 
 
 def test_auto_on_cpu_without_a_budget_is_one_error_line(tmp_path):

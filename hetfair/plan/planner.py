@@ -50,6 +50,9 @@ class RankPlan:
     probe_seconds: float = 0.0
     probe_steps: int = 0
     one_sample_bytes: int = 0
+    held_before_probe: int = 0
+    """The memory the process held before its first probe step (on CPU the resident set: the interpreter,
+    torch, the model and the data), measured."""
 
 
 @dataclass(frozen=True)
@@ -143,7 +146,7 @@ class Planner:
             self.model.to(home)  # a sharded strategy shards it before it moves to the device
             if self.context.device.type == "cuda":
                 torch.cuda.empty_cache()
-        _refuse_too_small(rows)
+        _refuse_too_small(rows, can_shard=self.context.world_size > 1 and backend != SHARDED)
         plan = JobPlan(rows, backend, why, fractions, any(f["auto"] for f in facts))
         return plan, self._resolved(plan)
 
@@ -189,9 +192,11 @@ class Planner:
         if backend == SHARDED:
             share = fractions[self.context.rank] if fractions else 1 / self.context.world_size
         upper = min(self.samples, self._given_capacity() or self.samples)
+        held_before = current_bytes(device)
         result = self.probe.largest(upper, self.sizes.reserve(share))
         return RankPlan(**common, probed=result.micro_batch, why=_probe_why(result), probe_seconds=result.seconds,
-                        probe_steps=result.steps, one_sample_bytes=result.one_sample_bytes)
+                        probe_steps=result.steps, one_sample_bytes=result.one_sample_bytes,
+                        held_before_probe=held_before)
 
     def _given_capacity(self) -> Optional[int]:
         """Samples per micro-batch the numeric one of ``--max-sentences`` / ``--max-tokens`` allows, if any."""
@@ -245,14 +250,47 @@ def _fractions_by_budget(budgets: Sequence[Optional[int]]) -> Optional[tuple[flo
     return fractions_from_budgets([float(budget) for budget in budgets])  # type: ignore[arg-type]
 
 
-def _refuse_too_small(rows: list[RankPlan]) -> None:
-    """One error, on every rank, naming the first rank where not even one sample fits its budget."""
-    for rank, row in enumerate(rows):
-        if row.probed == 0:
-            raise ConfigError(
-                f"rank {rank} ({row.device}) cannot train even one sample within its memory budget "
-                f"{_size(row.budget)} (one sample and the training state need {format_size(row.one_sample_bytes)}); "
-                f"give it a larger --memory-budget, shard the state (--ddp-backend auto) or leave it out of the job")
+def _refuse_too_small(rows: list[RankPlan], can_shard: bool) -> None:
+    """One error, on every rank, naming the first rank where not even one sample fits its budget, and the
+    remedies that can help: a budget for every such rank; sharding where the job has ranks to shard over, does
+    not shard yet and each such budget was above what its process held before any step (sharding cannot
+    shrink the interpreter); leaving them out where other ranks remain."""
+    short = [rank for rank, row in enumerate(rows) if row.probed == 0]
+    if not short:
+        return
+    row = rows[short[0]]
+    raise ConfigError(f"rank {short[0]} ({row.device}) cannot train even one sample within its memory budget "
+                      f"{_size(row.budget)} ({_what_one_sample_needs(row)}); "
+                      f"{_remedies_for_one_sample(rows, short, can_shard)}")
+
+
+TOO_SMALL_MARGIN = 0.2
+"""The budget suggested to a rank too small for one sample is this fraction above what one sample needed
+(the resident set varies from run to run, and the probe keeps a safety margin below what fitted)."""
+
+
+def _what_one_sample_needs(row: RankPlan) -> str:
+    needed = f"one sample and the training state need {format_size(row.one_sample_bytes)}"
+    if _held_more_than_budget(row):
+        return (f"{needed}; the process held {format_size(row.held_before_probe)} before any step, measured: "
+                f"the interpreter, torch, the model and the data, more than the budget")
+    return needed
+
+
+def _held_more_than_budget(row: RankPlan) -> bool:
+    return row.budget is not None and row.held_before_probe >= row.budget
+
+
+def _remedies_for_one_sample(rows: list[RankPlan], short: list[int], can_shard: bool) -> str:
+    suggested = format_size(max(rows[rank].one_sample_bytes for rank in short) * (1 + TOO_SMALL_MARGIN))
+    names = ", ".join(map(str, short))
+    whom = "it" if len(rows) == 1 else f"rank(s) {names}"
+    remedies = [f"give {whom} a --memory-budget of at least {suggested}"]
+    if can_shard and not any(_held_more_than_budget(rows[rank]) for rank in short):
+        remedies.append("shard the state (--ddp-backend auto)")
+    if len(short) < len(rows):
+        remedies.append(f"leave rank(s) {names} out of the job")
+    return ", ".join(remedies[:-1]) + (" or " if len(remedies) > 1 else "") + remedies[-1]
 
 
 def _device_budget(device: torch.device) -> Optional[int]:
