@@ -48,6 +48,7 @@ def test_a_partial_line_goes_out_at_once():
 
 _CHILD = """
 import os, sys
+from hetfair.launch.native_output import store_logs_filtered
 store_logs_filtered()
 print("before", file=sys.stderr, flush=True)
 os.write(2, %r)
