@@ -125,7 +125,11 @@ def test_bert_uneven_per_encoder_layer_matches_one_process(tmp_path):
 
 @pytest.mark.parametrize("flags, message", [
     (["--shard-fractions", "1,2,3"], "--shard-fractions has 3 values but the job has 2 processes"),
-    (["--shard-fractions", "1,-3"], "give one positive number per rank"),
+    (["--shard-fractions", "1,-3"], "--shard-fractions 1,-3: give one positive finite number per rank"),
+    (["--shard-fractions", "inf,1"], "--shard-fractions inf,1: give one positive finite number per rank"),
+    (["--shard-fractions", "1,nan"], "--shard-fractions 1,nan: give one positive finite number per rank"),
+    (["--shard-fractions", "0,1"], "--shard-fractions 0,1: give one positive finite number per rank"),
+    (["--shard-fractions", "1e308,1e308"], "--shard-fractions 1e308,1e308: give one positive finite number per rank"),
     (["--shard-fractions", "1,3", "--ddp-backend", "c10d"], "--shard-fractions needs --ddp-backend fully_sharded"),
     (["--shard-fractions", "1,3", "--ddp-backend", "hybrid_sharded"], "hybrid_sharded shards evenly"),
     (["--offload", "1", "--ddp-backend", "c10d"], "--offload needs --ddp-backend fully_sharded"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import dataclass
 from typing import Any, Optional
 
@@ -20,8 +21,8 @@ def parse_shard_fractions(text: Optional[str]) -> Optional[tuple[float, ...]]:
         values = [float(item) for item in text.split(",")]
     except ValueError:
         values = []
-    if not values or any(not value > 0 for value in values):
-        raise ConfigError(f"--shard-fractions {text}: give one positive number per rank, like 1,3")
+    if not values or not all(value > 0 for value in values) or not math.isfinite(sum(values)):
+        raise ConfigError(f"--shard-fractions {text}: give one positive finite number per rank, like 1,3")
     total = sum(values)
     return tuple(value / total for value in values)
 
