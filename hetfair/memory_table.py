@@ -40,8 +40,10 @@ class FirstUpdateMemory:
         self.compute_peak, self.at_step = peak_bytes(self.device), current_bytes(self.device)
 
     def finish(self, strategy: Strategy, optimizer: torch.optim.Optimizer, budget: Optional[int],
-               samples: float) -> "RankMemory":
-        """This rank's row of the table, for an update over ``samples`` of its samples."""
+               samples: float, can_checkpoint: bool) -> "RankMemory":
+        """This rank's row of the table, for an update over ``samples`` of its samples; ``can_checkpoint``: whether
+        ``--activation-checkpointing 1`` would recompute anything here (its model has sharding units, not yet
+        checkpointed)."""
         self._hook.remove()
         held = strategy.held_state_bytes(optimizer)
         activations = None
@@ -49,7 +51,7 @@ class FirstUpdateMemory:
             activations = max(0, self.compute_peak - self.at_step) / samples
         return RankMemory(budget, held["params"], held["grads"], held["optimizer"],
                           strategy.largest_gathered_unit_bytes(), activations, peak_bytes(self.device),
-                          int(samples))
+                          int(samples), self.before, can_checkpoint)
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,11 @@ class RankMemory:
     peak: int
     """The peak memory of the first update: allocated on CUDA, resident on CPU (the interpreter included)."""
     samples: int
+    before: int = 0
+    """The memory held just before the first update (on CPU the resident set: the interpreter, torch, the
+    model, the data), measured."""
+    can_checkpoint: bool = False
+    """Whether ``--activation-checkpointing 1`` would recompute anything on this rank."""
 
     @property
     def state(self) -> int:
@@ -101,17 +108,33 @@ def over_budget_lines(rows: list[RankMemory], device_type: str) -> list[str]:
             for rank, row in enumerate(rows) if row.headroom is not None and row.headroom < 0]
 
 
+BUDGET_MARGIN = 0.2
+"""A budget suggested to a rank past it is this fraction above the peak it measured; a micro-batch suggested
+to it keeps this fraction of its budget's room for activations free (the resident set varies from run to run)."""
+
+
 def _remedy(rank: int, row: RankMemory, device_type: str) -> str:
-    remedies = [f"--activation-checkpointing 1 on rank {rank}"]
-    per_sample = row.activations_per_sample
-    if per_sample and row.budget is not None:
-        fitting = int((row.budget - (row.peak - per_sample * row.samples)) // per_sample)
+    """What would bring ``row``'s rank under its budget: only remedies that can save what it went over by
+    (the process's memory before the update is not theirs to save), and always a larger budget."""
+    assert row.budget is not None
+    larger = f"--memory-budget {format_size(row.peak * (1 + BUDGET_MARGIN))} for rank {rank}"
+    if row.before >= row.budget:
+        return (f"its process held {format_size(row.before)} before that update (measured: the interpreter, torch, "
+                f"the model and the data), more than the budget, which no flag changes: try {larger}")
+    over = row.peak - row.budget
+    activations = (row.activations_per_sample or 0) * row.samples
+    remedies = [f"--activation-checkpointing 1 on rank {rank}"] if row.can_checkpoint and activations > over else []
+    if activations > over:
+        room = (row.budget - (row.peak - activations)) * (1 - BUDGET_MARGIN)
+        fitting = int(room // row.activations_per_sample)
         if 0 < fitting < row.samples:
             remedies.append(f"at most --max-sentences {fitting} on rank {rank} (it took {row.samples})")
-    remedies.append("a larger share of the state for the other ranks (--shard-fractions or their --memory-budget)")
-    if device_type == "cuda":
-        remedies.append(f"--offload 1 on rank {rank}")
-    return "try " + ", or ".join(remedies)
+    if row.state > over:
+        remedies.append("a larger share of the state for the other ranks (--shard-fractions or their "
+                        "--memory-budget)")
+        if device_type == "cuda":
+            remedies.append(f"--offload 1 on rank {rank}")
+    return "try " + ", or ".join([*remedies, larger])
 
 
 def _size(value: Optional[float]) -> str:

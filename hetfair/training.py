@@ -192,6 +192,8 @@ class TrainingRun:
             self._check_criterion(self.trainer.model, self.trainer.criterion, move_to_device(dummy, context.device), args)
         self._check_memory_fit(param_bytes, job.budgets)
         self._memory_to_report: Optional[FirstUpdateMemory] = None  # the first update's, once it runs
+        self._can_checkpoint = not self.trainer.config.activation_checkpointing and isinstance(
+            model, HetfairModel) and bool(model.sharding_units())
         self._memory_table_wanted = context.world_size > 1 or any(budget is not None for budget in job.budgets)
         """The ``memory |`` table has something to say: several ranks, or a budget to hold a rank to (the same on
         every rank: it is a collective)."""
@@ -449,7 +451,8 @@ class TrainingRun:
     def _report_memory(self, samples: float) -> None:
         """The ``memory |`` table of the first update, and a warning for each rank past its budget (a collective)."""
         assert self._memory_to_report is not None
-        own = self._memory_to_report.finish(self.trainer.strategy, self.trainer.optimizer, self.budget, samples)
+        own = self._memory_to_report.finish(self.trainer.strategy, self.trainer.optimizer, self.budget, samples,
+                                            self._can_checkpoint)
         rows = gather_rows(self.context, own)
         for line in table_lines(rows) + over_budget_lines(rows, self.context.device.type):
             self._notice(line)

@@ -7,12 +7,13 @@ are the model's own sizes (its parameter count times the bytes per parameter).
 from __future__ import annotations
 
 import re
+import subprocess
 from argparse import Namespace
 from pathlib import Path
 
 import pytest
 
-from helpers import TOY_PLUGIN, run_nodes
+from helpers import REPO_ROOT, TOY_PLUGIN, run_nodes
 from hetfair.errors import ConfigError
 from hetfair.memory.sizes import parse_size
 from hetfair.memory_plan import StateSize, check_fit, complete_parallel_config
@@ -22,6 +23,7 @@ from hetfair.parallel import ParallelConfig
 
 SHARDED = ParallelConfig("fully_sharded")
 G = 1 << 30
+SIMCLUSTER = REPO_ROOT / "benchmarks" / "simcluster"
 
 
 def complete(config: ParallelConfig, budgets: list, measured: list | None = None) -> tuple[ParallelConfig, list[str]]:
@@ -127,7 +129,35 @@ def test_budgets_shard_the_state_and_the_memory_table_shows_it_and_warns_a_rank_
     assert abs(int(setup[2]) - budgets[0] / sum(budgets) * PARAMS) <= 0.1 * int(setup[2])  # labelled: rank 0's
     warnings = [line for line in result.stderr.splitlines() if line.startswith("memory | warning")]
     assert len(warnings) == 1 and "rank 0's first update peaked at" in warnings[0], result.stderr
-    assert "--activation-checkpointing 1 on rank 0" in warnings[0]
+    held = re.search(r"its process held ([\d.]+[KMG]) before that update \(measured", warnings[0])
+    assert held and parse_size(held[1]) > budgets[0], warnings[0]  # 100M is below the interpreter's memory
+    assert "--activation-checkpointing" not in warnings[0] and "--shard-fractions" not in warnings[0]  # no help
+
+
+def sim_over_budget(tmp_path: Path, max_sentences: str, budgets: str) -> subprocess.CompletedProcess:
+    """Two replicated ranks of the simulated cluster's model (no sharding units), 0.75M of activations a sample."""
+    result, = run_nodes([["--user-dir", str(SIMCLUSTER), "--task", "sim", "--sim-hidden", "65536", "--sim-speeds",
+                          "1,1", "--sim-sample-ms", "0", "--sim-train-size", "400", "--optimizer", "sgd", "--lr",
+                          "0.3", "--no-save", "--disable-validation", "--log-format", "simple", "--max-update", "1",
+                          "--distributed-world-size", "2", "--distributed-timeout", "60", "--max-sentences",
+                          max_sentences, "--memory-budget", budgets]], tmp_path)
+    assert result.returncode == 0, result.stderr
+    return result
+
+
+def test_each_remedy_the_over_budget_warning_offers_brings_the_rank_under_its_budget(tmp_path):
+    """400M holds the process (about 300M) but not 200 samples' activations: the warning offers a smaller
+    micro-batch and a larger budget, not activation checkpointing (the model has no sharding units) nor a
+    smaller share of the state (6M of it cannot save 70M); each offer, run, leaves rank 0 under its budget."""
+    warned = sim_over_budget(tmp_path, "200,200", "400M,2G").stderr
+    (warning,) = [line for line in warned.splitlines() if line.startswith("memory | warning: rank 0's")]
+    assert "--activation-checkpointing" not in warning and "--shard-fractions" not in warning, warning
+    micro_batch = re.search(r"at most --max-sentences (\d+) on rank 0", warning)
+    budget = re.search(r"--memory-budget ([\d.]+[KMG]) for rank 0", warning)
+    assert micro_batch and budget, warning
+    for flags in ((f"{micro_batch[1]},200", "400M,2G"), ("200,200", f"{budget[1]},2G")):
+        followed = sim_over_budget(tmp_path, *flags).stderr
+        assert "memory | warning" not in followed and "memory | 0 " in followed, (flags, followed)
 
 
 def test_a_plan_that_cannot_fit_fails_at_start_up_in_one_line(tmp_path):
