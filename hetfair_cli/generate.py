@@ -7,6 +7,7 @@ import logging
 import sys
 from typing import Sequence
 
+from hetfair.errors import ConfigError
 from hetfair.lm.generate import generate
 from hetfair.utils import DefaultsHelpFormatter, absolute_path
 from hetfair_cli.errors import run_cli
@@ -35,8 +36,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def check_prompt(prompt: str) -> None:
+    """Refuse a prompt that is not UTF-8: Python keeps each undecodable byte of the command line as a lone
+    surrogate (U+DC80-U+DCFF), which no tokenizer can encode."""
+    at = next((index for index, char in enumerate(prompt) if "\ud800" <= char <= "\udfff"), None)
+    if at is None:
+        return
+    char = prompt[at]
+    what = f"byte 0x{ord(char) - 0xDC00:02x}" if "\udc80" <= char <= "\udcff" else f"character U+{ord(char):04X}"
+    raise ConfigError(f"--prompt is not UTF-8 text ({what} at character {at}); give the prompt as UTF-8 text")
+
+
 def _main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
+    check_prompt(args.prompt)
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)  # e.g. the task's data notes
     result = generate(args.path, args.prompt, args.max_new_tokens, top_k=args.top_k, temperature=args.temperature,
                       seed=args.seed, device="cpu" if args.cpu else None, data=args.data)

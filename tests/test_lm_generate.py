@@ -104,3 +104,13 @@ def test_an_empty_prompt_starts_after_the_start_token_and_needs_one(model, token
     assert result.new_tokens == generate(model, "", 5, tokenizer=tokenizer, start_token=1).new_tokens
     with pytest.raises(ConfigError, match="the prompt is empty and there is no start token"):
         generate(model, "", 5, tokenizer=tokenizer)
+
+
+@pytest.mark.parametrize("prompt, problem", [("The \udcff hacker", "byte 0xff at character 4"),
+                                             ("\ud800", "character U+D800 at character 0")])
+def test_a_prompt_that_is_not_utf8_is_one_line_naming_the_byte(tmp_path, capsys, prompt, problem):
+    # Python keeps the byte 0xff of a command line (not UTF-8) as the lone surrogate U+DCFF: what main receives.
+    code = generate_main(["--path", str(tmp_path / "checkpoint_last.pt"), "--prompt", prompt, "--max-new-tokens", "4"])
+    err = capsys.readouterr().err
+    assert code == 2 and err == f"hetfair-generate: error: --prompt is not UTF-8 text ({problem}); give the prompt " \
+                                "as UTF-8 text\n", err
