@@ -66,30 +66,33 @@ class StateSize:
 
 
 def check_fit(size: StateSize, shares: Sequence[tuple[float, float]], budgets: Sequence[Optional[int]],
-              takes_fractions: bool) -> None:
+              takes_fractions: bool, can_offload: bool = False) -> None:
     """Refuse, in one line naming the first rank and what would make it fit, a plan where a rank's state and its
-    largest gathered unit exceed its budget (ranks without a budget are not checked)."""
+    largest gathered unit exceed its budget (ranks without a budget are not checked); ``--offload`` is offered
+    only where it ``can_offload`` (a GPU job: it moves state to host memory)."""
     for rank, (budget, share) in enumerate(zip(budgets, shares)):
         need = size.of_rank(share) + size.largest_unit_bytes
         if budget is None or need <= budget:
             continue
         raise ConfigError(f"rank {rank} would hold {format_size(size.of_rank(share))} of training state plus a "
                           f"gathered unit of {format_size(size.largest_unit_bytes)}, more than its memory budget "
-                          f"{format_size(budget)}; {_remedy(size, rank, budget, len(budgets), takes_fractions)}")
+                          f"{format_size(budget)}; "
+                          f"{_remedy(size, rank, budget, len(budgets), takes_fractions, can_offload)}")
 
 
-def _remedy(size: StateSize, rank: int, budget: int, world_size: int, takes_fractions: bool) -> str:
-    offload = f"--offload 1 on rank {rank} (a GPU rank: its shards and optimizer state in host memory)"
+def _remedy(size: StateSize, rank: int, budget: int, world_size: int, takes_fractions: bool,
+            can_offload: bool) -> str:
+    offload = [f"--offload 1 on rank {rank} (a GPU rank: its shards and optimizer state in host memory)"] \
+        if can_offload else []
     full = size.of_rank((1.0, 1.0))
     room = budget - size.largest_unit_bytes
     if not takes_fractions:
-        return f"shard the state with --ddp-backend fully_sharded, or {offload}"
-    if room <= 0 or world_size < 2:
-        return f"{offload}, or smaller sharding units"
+        return ", or ".join(["shard the state with --ddp-backend fully_sharded", *offload])
     share = math.floor(100 * room / full) / 100  # rounded down: the example must fit
+    if room <= 0 or world_size < 2 or not 0 < share < 1:
+        return ", or ".join([*offload, "smaller sharding units", f"a --memory-budget of at least "
+                                                                 f"{format_size(full + size.largest_unit_bytes)}"])
     rest = (1.0 - share) / (world_size - 1)
-    if not 0 < share < 1:
-        return offload
     example = ",".join(f"{share if r == rank else rest:.2f}" for r in range(world_size))
-    return (f"give it at most {share:.2f} of the state and the other ranks more (e.g. --shard-fractions "
-            f"{example}, or a larger --memory-budget elsewhere), or {offload}")
+    return ", or ".join([f"give it at most {share:.2f} of the state and the other ranks more (e.g. --shard-fractions "
+                         f"{example}, or a larger --memory-budget elsewhere)", *offload])

@@ -275,7 +275,7 @@ class TrainingRun:
         ratio = optimizer_state_ratio(lambda params: recipe.torch_class(params, **recipe.torch_kwargs(self.args)))
         shares = [strategy.state_shares(rank) for rank in range(self.context.world_size)]
         size = StateSize(param_bytes, ratio, strategy.largest_gathered_unit_bytes())
-        check_fit(size, shares, budgets, strategy.takes_shard_fractions)
+        check_fit(size, shares, budgets, strategy.takes_shard_fractions, self.context.device.type == "cuda")
 
     def _capped_at_dataset(self, caps: list[int]) -> list[int]:
         """Per-rank batch sizes, none above the training set's size: a larger micro-batch holds no more samples."""

@@ -83,6 +83,8 @@ def test_a_rank_whose_share_does_not_fit_is_one_line_naming_it_and_a_share_that_
     assert size.of_rank((share, share)) + size.largest_unit_bytes <= 1200 << 20  # the suggestion fits
     with pytest.raises(ConfigError, match="shard the state with --ddp-backend fully_sharded"):
         check_fit(size, [(1.0, 1.0), (1.0, 1.0)], [1200 << 20, None], takes_fractions=False)
+    with pytest.raises(ConfigError, match=r"or --offload 1 on rank 0 \(a GPU rank"):
+        check_fit(size, [(1.0, 1.0), (1.0, 1.0)], [1200 << 20, None], takes_fractions=False, can_offload=True)
 
 
 # -- real runs ---------------------------------------------------------------------------------------
@@ -166,3 +168,9 @@ def test_a_plan_that_cannot_fit_fails_at_start_up_in_one_line(tmp_path):
     assert result.returncode == 2 and len(errors) == 1, result.stderr
     assert "rank 0 would hold" in errors[0] and "more than its memory budget 40.0K" in errors[0]
     assert "memory |" not in result.stderr  # no update ran
+    assert "--offload" not in errors[0]  # CPU ranks: offloading moves GPU state to host memory, nothing here
+    fractions = re.search(r"--shard-fractions ([\d.]+,[\d.]+)", errors[0])
+    assert fractions, errors[0]
+    followed, = run_nodes([sharded_toy(tmp_path, "--memory-budget", "40K,1G", "--shard-fractions", fractions[1])],
+                          tmp_path)
+    assert followed.returncode == 0 and "num_updates 1" in followed.stderr, followed.stderr
