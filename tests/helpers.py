@@ -145,3 +145,12 @@ class LoopbackListener:
         self.server.close()
         for connection in self._open:
             connection.close()
+
+
+def damaged(compressed: bytes, how: str) -> bytes:
+    """``compressed`` (gzip, bz2 or xz data) cut in half (``"truncated"``) or with garbage written over its middle
+    (``"corrupt"``), as an interrupted download or a bad disk leaves a file."""
+    middle = len(compressed) // 2
+    if how == "truncated":
+        return compressed[:middle]
+    return compressed[:middle] + b"\x00garbage" * 8 + compressed[middle + 64:]

@@ -4,7 +4,11 @@ byte-level BPE), the token blocks the task trains on, the criterion, and one-lin
 from __future__ import annotations
 
 import argparse
+import bz2
+import gzip
+import itertools
 import json
+import lzma
 import math
 import shutil
 import sys
@@ -14,6 +18,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from helpers import damaged
 from lm_helpers import EOS, PAD, jargon_paragraphs, preprocess, reference_stream, write_text
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers
 from torch import nn
@@ -25,6 +30,7 @@ from hetfair_cli.preprocess import main as preprocess_main
 from hetfair_cli.train import main as train_main
 
 VOCAB_SIZE = 600
+COMPRESSIONS = {"gz": gzip, "bz2": bz2, "xz": lzma}
 
 
 @pytest.fixture(scope="module")
@@ -161,6 +167,10 @@ PREPROCESS_CASES = [
     (["--tokenizer", "bpe", "--trainpref", "BROKEN.jsonl"], "cannot read BROKEN.jsonl as JSON lines"),
     (["--tokenizer", "bpe", "--trainpref", "TRAIN", "--text-field", "body"], "--text-field body applies to JSON"),
     (["--tokenizer", "bpe", "--trainpref", "EMPTY.txt"], "EMPTY.txt contains no text"),
+    *[(["--tokenizer", "bpe", "--trainpref", f"{how}.txt.{suffix}"], f"{how}.txt.{suffix} is truncated or corrupt: ")
+      for how in ("truncated", "corrupt") for suffix in COMPRESSIONS],
+    (["--tokenizer-file", "DATA/tokenizer.json", "--trainpref", "truncated.jsonl.gz"],
+     "truncated.jsonl.gz is truncated or corrupt: Compressed file ended before the end-of-stream marker was reached"),
     (["--tokenizer", "bpe", "--trainpref", "TRAIN", "--vocab-size", "300", "--destdir", "DATA"],
      "already holds a tokenizer"),
 ]
@@ -172,9 +182,14 @@ def test_bad_preprocess_input_is_one_line_and_writes_nothing(corpus, tmp_path, m
     (tmp_path / "records.jsonl").write_text('{"id": 1, "text": "a"}\n')
     (tmp_path / "BROKEN.jsonl").write_text('{"text": "a"}\n{"text": \n')
     (tmp_path / "EMPTY.txt").write_text("\n\n  \n")
+    text = "\n\n".join(corpus["valid_docs"]).encode()
+    for (suffix, module), how in itertools.product(COMPRESSIONS.items(), ("truncated", "corrupt")):
+        (tmp_path / f"{how}.txt.{suffix}").write_bytes(damaged(module.compress(text), how))
+    records = "".join(json.dumps({"text": doc}) + "\n" for doc in corpus["valid_docs"]).encode()
+    (tmp_path / "truncated.jsonl.gz").write_bytes(damaged(gzip.compress(records), "truncated"))
     names = {"TRAIN": str(corpus["tmp"] / "valid.txt"), "VALID": str(corpus["tmp"] / "valid.txt"),
              "JSONL": "records.jsonl", "DATA": str(corpus["data"])}
-    flags = [names.get(flag, flag) for flag in flags]
+    flags = [names.get(flag, flag).replace("DATA/", f"{corpus['data']}/") for flag in flags]
     if "--destdir" not in flags:
         flags += ["--destdir", "out"]
     before = sorted(p.name for p in Path(corpus["data"]).iterdir())

@@ -30,6 +30,7 @@ from bert_helpers import (
     reference_wordpiece,
     write_corpus,
 )
+from helpers import damaged
 from tokenizers import BertWordPieceTokenizer
 
 from hetfair.data.indexed_dataset import IndexedDataset
@@ -191,6 +192,16 @@ def test_missing_input_is_an_error(tmp_path: Path, vocab: Path, capsys) -> None:
     line = run_error(["--trainpref", str(tmp_path / "nope.txt"), "--dict", str(vocab),
                       "--destdir", str(tmp_path / "o")], capsys)
     assert "nope.txt does not exist" in line
+
+
+@pytest.mark.parametrize("how", ["truncated", "corrupt"])
+def test_a_truncated_or_corrupt_gzip_input_is_one_line_naming_it(tmp_path: Path, corpus, vocab: Path, capsys,
+                                                                 how: str) -> None:
+    gz = tmp_path / "train.txt.gz"
+    gz.write_bytes(damaged(gzip.compress(corpus[0].read_bytes()), how))
+    line = run_error(["--trainpref", str(gz), "--destdir", str(tmp_path / "o"), "--dict", str(vocab)], capsys)
+    assert f"{gz} is truncated or corrupt: " in line
+    assert not (tmp_path / "o").exists()
 
 
 @pytest.mark.parametrize("content, message", [

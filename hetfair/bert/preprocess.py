@@ -25,7 +25,7 @@ from tqdm import tqdm
 
 from hetfair.bert.data_dir import destdir_tokenizer_spec, read_metadata, write_metadata
 from hetfair.data.indexed_dataset import IndexedDatasetBuilder, dtype_for_vocab
-from hetfair.data.preprocess_output import SPLIT_FLAGS, input_splits, staged_output
+from hetfair.data.preprocess_output import DECOMPRESSION_ERRORS, SPLIT_FLAGS, corrupt_input, input_splits, staged_output
 from hetfair.bert.tokenizer import (
     SPECIAL_TOKENS,
     TOKENIZER_KINDS,
@@ -253,9 +253,13 @@ def _open_text(path: str) -> Iterator[tuple[Iterator[str], Callable[[], None]]]:
     """Lines of a UTF-8 (optionally gzipped) file and a callback advancing a byte progress bar."""
     with open(path, "rb") as raw, tqdm(total=os.path.getsize(path), unit="B", unit_scale=True,
                                        desc=os.path.basename(path), disable=None, leave=False) as bar:
-        stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+        stream = gzip.GzipFile(fileobj=raw) if _gzipped(path) else raw
         with io.TextIOWrapper(stream, encoding="utf-8") as text:
             yield _checked_lines(text, path), lambda: bar.update(raw.tell() - bar.n)
+
+
+def _gzipped(path: str) -> bool:
+    return path.endswith(".gz")
 
 
 def _checked_lines(text: io.TextIOWrapper, path: str) -> Iterator[str]:
@@ -263,8 +267,8 @@ def _checked_lines(text: io.TextIOWrapper, path: str) -> Iterator[str]:
         yield from text
     except UnicodeDecodeError as exc:
         raise DataError(f"{path} is not UTF-8 text: {exc.reason} at byte {exc.start} of a read block") from exc
-    except (gzip.BadGzipFile, EOFError, OSError) as exc:
-        raise DataError(f"cannot read {path}: {exc}") from exc
+    except DECOMPRESSION_ERRORS as exc:
+        raise (corrupt_input(path, exc) if _gzipped(path) else DataError(f"cannot read {path}: {exc}")) from exc
 
 
 def _training_text(path: str) -> Iterator[str]:

@@ -1,11 +1,14 @@
-"""What every family's ``hetfair-preprocess`` shares: the split flags and an all-or-nothing output directory."""
+"""What every family's ``hetfair-preprocess`` shares: the split flags, the one error for a compressed input
+that is truncated or corrupt, and an all-or-nothing output directory."""
 
 from __future__ import annotations
 
 import argparse
+import lzma
 import os
 import shutil
 import tempfile
+import zlib
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -28,6 +31,26 @@ def input_splits(args: argparse.Namespace) -> dict[str, str]:
     if os.path.exists(args.destdir) and not os.path.isdir(args.destdir):
         raise ConfigError(f"--destdir {args.destdir} is not a directory")
     return splits
+
+
+COMPRESSED_SUFFIXES = (".gz", ".bz2", ".xz", ".zst")
+"""Endings of input files that are decompressed as they are read."""
+
+DECOMPRESSION_ERRORS = (EOFError, OSError, zlib.error, lzma.LZMAError)
+"""What reading a truncated or corrupt compressed file raises: EOFError where the stream ends early (gzip, bz2, xz),
+OSError for a bad header or checksum (gzip's BadGzipFile, bz2), zlib.error for a corrupt deflate block, LZMAError
+for corrupt xz data."""
+
+
+def is_compressed(path: str) -> bool:
+    """Whether ``path`` is decompressed as it is read (by its ending)."""
+    return path.lower().endswith(COMPRESSED_SUFFIXES)
+
+
+def corrupt_input(path: str, exc: BaseException) -> DataError:
+    """The one-line error for compressed input ``path`` that failed to decompress with ``exc``."""
+    detail = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return DataError(f"{path} is truncated or corrupt: {detail}; replace it with a complete copy")
 
 
 @contextmanager

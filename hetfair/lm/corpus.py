@@ -11,16 +11,16 @@ import os
 from pathlib import Path
 from typing import Iterator
 
+from hetfair.data.preprocess_output import COMPRESSED_SUFFIXES, DECOMPRESSION_ERRORS, corrupt_input, is_compressed
 from hetfair.errors import ConfigError, DataError
 
 JSON_SUFFIXES = (".json", ".jsonl")
-_COMPRESSED = (".gz", ".bz2", ".xz", ".zst")
 
 
 def is_json_lines(path: str) -> bool:
     """Whether ``path`` names a JSON-lines file (by its suffix, compression suffixes ignored)."""
     name = path.lower()
-    for suffix in _COMPRESSED:
+    for suffix in COMPRESSED_SUFFIXES:
         name = name.removesuffix(suffix)
     return name.endswith(JSON_SUFFIXES)
 
@@ -39,7 +39,9 @@ def documents(path: str, text_field: str) -> Iterator[str]:
             text = text.strip("\r\n")
             if text.strip():
                 yield text
-    except (ValueError, OSError, UnicodeDecodeError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+    except (*DECOMPRESSION_ERRORS, ValueError) as exc:  # pyarrow's ArrowInvalid is a ValueError
+        if is_compressed(path) and isinstance(exc, DECOMPRESSION_ERRORS):
+            raise corrupt_input(path, exc) from exc
         kind = "JSON lines" if is_json_lines(path) else "UTF-8 text"
         raise DataError(f"cannot read {path} as {kind}: {str(exc).splitlines()[0] if str(exc) else exc}") from exc
 
