@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import math
 import signal
+import sys
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -34,6 +35,7 @@ from hetfair.memory_plan import StateSize, check_fit, complete_parallel_config
 from hetfair.memory_table import FirstUpdateMemory, gather_rows, over_budget_lines, table_lines
 from hetfair.models import HetfairModel
 from hetfair.optim import OPTIMIZER_REGISTRY
+from hetfair.optim.lr_scheduler.schedule_length import schedule_length_warning
 from hetfair.options import plain_config
 from hetfair.plan.planner import JobPlan, PlanPart, Planner, plan_probes
 from hetfair.plan.precision import resolved_precision
@@ -176,6 +178,7 @@ class TrainingRun:
         self.shape = fit_shape(config.data, self.nominal_shape, self.caps)
         self.balancer = self._new_balancer()
         self._show_plan()
+        self._check_schedule_length()
         if not self.args.dry_run:  # a dry run ends with the plan: nothing trains, nothing is written
             self._set_up_training(model, criterion, dummy, job)
 
@@ -255,6 +258,14 @@ class TrainingRun:
             self._notice(line)
         if self.args.dry_run:
             self._notice("dry run | the plan above; nothing was trained or written (drop --dry-run to train)")
+
+    def _check_schedule_length(self) -> None:
+        """Warn where ``--total-num-update`` is not about the updates this run will make."""
+        loop = self.config.loop
+        warning = schedule_length_warning(getattr(self.args, "total_num_update", 0), loop.max_update,
+                                          loop.max_epoch, len(self.train_data), self.nominal_shape.update_size)
+        if warning is not None and self.context.is_master:
+            print(f"hetfair-train: warning: {warning}", file=sys.stderr, flush=True)
 
     def _agree(self) -> JobFacts:
         """The one start-up exchange: every rank's precision and batch sizes; the shared settings checked."""

@@ -106,3 +106,25 @@ def test_export_refuses_an_output_path_it_cannot_use_with_one_line(tmp_path, cap
     expected = message.replace("FILE", str(tmp_path / "FILE")).replace("FULL", str(tmp_path / "FULL"))
     assert err == f"hetfair-export: error: {expected}\n"
     assert snapshot(tmp_path) == before
+
+
+@pytest.mark.parametrize("total, warned", [("64", True), ("26", False), ("28", False), ("30", True)])
+def test_a_total_num_update_far_from_the_runs_updates_is_one_warning(tmp_path, capsys, total, warned):
+    """200 samples in updates of 16 for 2 epochs: 26 updates; within 10% of them no warning, and the value
+    the warning gives is the one that trains without it."""
+    flags = toy(tmp_path / "ckpt", "--max-epoch", "2", "--lr-scheduler", "polynomial_decay", "--warmup-updates",
+                "2", "--total-num-update", total, "--dry-run")
+    assert train_main(flags) == 0
+    warnings = [line for line in capsys.readouterr().err.splitlines() if line.startswith("hetfair-train: warning:")]
+    assert len(warnings) == warned, warnings
+    if warned:
+        assert warnings[0].startswith(f"hetfair-train: warning: --total-num-update {total} but this run makes 26 "
+                                      f"updates (--max-epoch 2 x 13 updates an epoch")
+        assert warnings[0].endswith("give --total-num-update 26")
+
+
+def test_max_update_bounds_the_run_a_total_num_update_is_checked_against(tmp_path, capsys):
+    flags = toy(tmp_path / "ckpt", "--max-epoch", "2", "--max-update", "5", "--lr-scheduler", "cosine",
+                "--total-num-update", "26", "--dry-run")
+    assert train_main(flags) == 0
+    assert "this run makes 5 updates (--max-update 5)" in capsys.readouterr().err
