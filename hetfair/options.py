@@ -14,7 +14,7 @@ from __future__ import annotations
 import argparse
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 from hetfair.criteria import CRITERION_REGISTRY
 from hetfair.launch.per_process import PerProcessValues, parse_per_process, values_of
@@ -24,7 +24,7 @@ from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.optim.implementation import IMPLEMENTATIONS
 from hetfair.parallel import COMM_HOOKS, STRATEGY_REGISTRY, ParallelConfig, check_strategy_options
 from hetfair.plugins import import_user_dir
-from hetfair.memory.sizes import parse_size
+from hetfair.memory.sizes import format_size, parse_size
 from hetfair.plan import AUTO
 from hetfair.precision import parse_precision
 from hetfair.tasks import TASK_REGISTRY
@@ -50,6 +50,8 @@ class Bounds:
     """The maximum itself is refused."""
     says: Optional[str] = None
     """The requirement in words (``"must be positive"``), where the generated one would read badly."""
+    shows: Callable[[Any], str] = str
+    """How a refused value is written in the error (``format_size`` for bytes)."""
 
     def problem(self, value: float, is_float: bool) -> Optional[str]:
         """What ``value`` breaks (``"must be at least 1"``), or ``None`` when it is within bounds."""
@@ -69,10 +71,15 @@ class Bounds:
             return f"must be in {'(' if self.open_minimum else '['}{low:g}, {high:g}{')' if self.open_maximum else ']'}"
         if is_float:
             return f"must be a finite number of at least {low:g}"
-        return f"must be at least {low}" if low is not None and value < low else f"must be at most {high}"
+        return (f"must be at least {self.shows(low)}" if low is not None and value < low
+                else f"must be at most {self.shows(high)}")
 
 
 POSITIVE = Bounds(0.0, open_minimum=True, says="must be positive")
+
+MAX_MEMORY_BUDGET = 64 << 40
+"""64 TiB: more than any one machine holds (the largest servers have 24-32 TiB of host memory, a GPU well under
+1 TiB), so a larger --memory-budget for one process is a slip of the unit or of the digits, not a budget."""
 
 
 def _option(group: Any, *flags: str, bounds: Bounds, **kwargs: Any) -> argparse.Action:
@@ -294,7 +301,8 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                        help="with fully_sharded: one number per rank, its share of the parameters, gradients and "
                             "optimizer state (e.g. 1,3: rank 1 holds three times rank 0's share; default: from "
                             "--memory-budget, else equal shares)")
-    _option(group, "--memory-budget", bounds=Bounds(1), metavar="SIZE[,SIZE...]",
+    _option(group, "--memory-budget", metavar="SIZE[,SIZE...]",
+            bounds=Bounds(1, MAX_MEMORY_BUDGET, shows=format_size),
             type=PerProcessValues(parse_size, "memory_budget", int, "a memory size"),
             help="memory each process may use, e.g. 6G or 6G,20G (one per process of this command); "
                  "the sharded state is split in proportion (default on CUDA: the device's free memory)")
@@ -505,7 +513,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
         for value in values_of(getattr(args, action.dest)):
             problem = None if value in (None, AUTO) else bounds.problem(value, is_float=action.type is float)
             if problem:
-                raise ConfigError(f"{action.option_strings[0]} {problem}, got {value}")
+                raise ConfigError(f"{action.option_strings[0]} {problem}, got {bounds.shows(value)}")
     _check_parallel(ParallelConfig.from_args(args))
 
 

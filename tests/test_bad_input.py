@@ -57,6 +57,8 @@ CASES = [
     (["--zero-sharding", "os", "--zero-shard-weights", "1,-1"], "must all be positive"),
     (["--zero-sharding", "os", "--distributed-world-size", "2", "--zero-shard-weights", "1,2,3"],
      "--zero-shard-weights has 3 weights but there are 2 ranks"),
+    (["--memory-budget", "99999999999999999999T"], "--memory-budget must be at most 64.0T, got 100000000000000000000.0T"),
+    (["--memory-budget", "65T"], "--memory-budget must be at most 64.0T, got 65.0T"),
     (["--criterion", "masked_lm"], "criterion masked_lm does not fit task toy (model toy_mlp): TypeError: "),
 ]
 

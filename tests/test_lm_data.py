@@ -107,7 +107,8 @@ def test_a_tokenizer_file_without_end_of_text_and_padding_gets_both(corpus, tmp_
 
 
 def lm_task(data: Path, tokens_per_sample: int) -> LanguageModelingTask:
-    return LanguageModelingTask.setup_task(argparse.Namespace(data=str(data), tokens_per_sample=tokens_per_sample))
+    return LanguageModelingTask.setup_task(argparse.Namespace(data=str(data), tokens_per_sample=tokens_per_sample,
+                                                              train_subset="train"))
 
 
 def test_blocks_cut_the_stream_and_their_targets_are_the_next_tokens(corpus):
@@ -211,6 +212,25 @@ TRAIN_CASES = [
      "samples of 128 tokens do not fit the model's 64 positions"),
     (["--data", "DATA", "--max-tokens", "8"], "--max-tokens 8 is smaller than one sample (16 tokens)"),
 ]
+
+
+def test_samples_longer_than_the_training_split_are_one_line_whose_suggestion_trains(corpus, tmp_path, capsys):
+    small = write_text(tmp_path / "small.txt", corpus["valid_docs"][:3])
+    data = preprocess(tmp_path / "data", "--tokenizer-file", str(corpus["data"] / "tokenizer.json"),
+                      "--trainpref", str(small))
+    tokens = IndexedDataset(str(data / "train")).num_tokens
+
+    def train(tokens_per_sample: int) -> int:
+        return train_main(["--task", "language_modeling", "--arch", "gpt_tiny", "--data", str(data),
+                           "--tokens-per-sample", str(tokens_per_sample), "--max-sentences", "1", "--max-update", "1",
+                           "--disable-validation", "--no-save", "--log-format", "none"])
+
+    assert train(100000) == 2
+    err = capsys.readouterr().err
+    assert err == (f"hetfair-train: error: --tokens-per-sample 100000 is longer than the training split {data}/train "
+                   f"({tokens} tokens, {tokens - 1} of them inputs): it would train on one padded sample; give "
+                   f"--tokens-per-sample {tokens - 1} or less\n")
+    assert train(tokens - 1) == 0, capsys.readouterr().err
 
 
 @pytest.mark.parametrize("flags, message", TRAIN_CASES, ids=[" ".join(f) for f, _ in TRAIN_CASES])

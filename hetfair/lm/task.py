@@ -78,7 +78,19 @@ class LanguageModelingTask(Task):
             flag = f"--{SPLIT_FLAGS[split]}" if split in SPLIT_FLAGS else "--trainpref/--validpref/--testpref"
             raise DataError(f"no split '{split}' in {self.args.data} ({prefix}.bin/.idx); create it with "
                             f"hetfair-preprocess --task language_modeling {flag}")
-        return TokenBlockDataset(IndexedDataset(prefix), self.args.tokens_per_sample)
+        data = IndexedDataset(prefix)
+        blocks = TokenBlockDataset(data, self.args.tokens_per_sample)
+        if split == self.args.train_subset:
+            self._check_fits_training_split(data, prefix)
+        return blocks
+
+    def _check_fits_training_split(self, data: IndexedDataset, prefix: str) -> None:
+        """Refuse samples longer than the training split: there would be one, mostly padding, every update."""
+        inputs = data.num_tokens - 1  # every token but the last is an input
+        if self.args.tokens_per_sample > inputs:
+            raise ConfigError(f"--tokens-per-sample {self.args.tokens_per_sample} is longer than the training split "
+                              f"{prefix} ({data.num_tokens} tokens, {inputs} of them inputs): it would train on one "
+                              f"padded sample; give --tokens-per-sample {inputs} or less")
 
     def collater(self, samples: list[Any]) -> dict[str, Any]:
         return collate_blocks(samples, self.pad_index)
