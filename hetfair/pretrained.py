@@ -21,6 +21,7 @@ from hetfair.errors import (
     first_line,
 )
 from hetfair.models import MODEL_REGISTRY
+from hetfair.models.model import WEIGHTS_FROM_CHECKPOINT
 from hetfair.options import stored_options
 from hetfair.plugins import import_user_dir
 from hetfair.tasks import TASK_REGISTRY, Task
@@ -58,7 +59,7 @@ def load_model(path: str | Path, user_dir: Optional[str | Path] = None, override
     options = _options(path, state, user_dir, overrides or {}, task_argv)
     for name in getattr(MODEL_REGISTRY.get(options.model), "init_source_options", ()):
         setattr(options, name, None)  # the checkpoint's weights replace the source's; it need not exist any more
-    task, model = _build(path, options)
+    task, model = _build(path, argparse.Namespace(**vars(options), **{WEIGHTS_FROM_CHECKPOINT: True}))
     try:
         model.load_state_dict(model_weights(state))
     except RuntimeError as exc:

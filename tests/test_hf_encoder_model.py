@@ -19,7 +19,10 @@ from torch import nn
 from hetfair.errors import ConfigError
 from hetfair.hf_encoder.model import HfEncoderModel
 from hetfair.hf_encoder.units import layer_units
+from hetfair_cli.export import main as export_main
 from hetfair_cli.train import main as train_main
+from hetfair_cli.validate import main as validate_main
+from classification_data import make_labelled_dir
 from helpers import REPO_ROOT, TOY_PLUGIN, subprocess_env
 from hf_encoder_helpers import save_tiny_encoder, tiny_config
 
@@ -136,3 +139,33 @@ def test_without_transformers_the_arch_is_one_line(tmp_path):
     err = result.stderr.strip().splitlines()
     assert result.returncode == 2 and err == ["hetfair-train: error: --arch hf_encoder needs the transformers "
                                               "package, which is not installed: pip install 'hetfair[hf]'"], err
+
+
+def test_validate_and_export_take_the_trained_head_without_transformers_missing_report(tmp_path, capfd, caplog):
+    """A bare encoder folder: training builds a new head and transformers says so, rightly; hetfair-validate and
+    hetfair-export replace every weight with the checkpoint's, so they print no load report; a weight the
+    checkpoint lacks is still one error naming it."""
+    directory = save_tiny_encoder(tmp_path / "bert")
+    save_dir = tmp_path / "ckpt"
+    assert train_main(["--task", "sentence_classification", "--num-classes", "2", "--data",
+                       str(make_labelled_dir(tmp_path / "data")), "--arch", "hf_encoder", "--hf-model", str(directory),
+                       "--max-positions", "32", "--max-sentences", "32", "--max-update", "1", "--max-epoch", "0",
+                       "--lr-scheduler", "fixed", "--log-format", "none", "--no-epoch-checkpoints", "--save-dir",
+                       str(save_dir)]) == 0
+    assert "classifier.weight | MISSING" in caplog.text  # transformers' logger (stderr outside pytest)
+    caplog.clear()
+    checkpoint = save_dir / "checkpoint_last.pt"
+    assert validate_main(["--path", str(checkpoint)]) == 0
+    assert export_main(["--path", str(checkpoint), "--to", "hf", str(tmp_path / "exported")]) == 0
+    loaded = capfd.readouterr().err + caplog.text
+    assert "MISSING" not in loaded and "LOAD REPORT" not in loaded, loaded
+    exported = transformers.AutoModelForSequenceClassification.from_pretrained(tmp_path / "exported")
+    trained = torch.load(checkpoint, weights_only=True)["trainer"]["model"]
+    torch.testing.assert_close(exported.classifier.weight, trained["hf_model.classifier.weight"], rtol=0, atol=0)
+    state = torch.load(checkpoint, weights_only=True)
+    del state["trainer"]["model"]["hf_model.classifier.weight"]
+    torch.save(state, tmp_path / "headless.pt")
+    capfd.readouterr()
+    assert validate_main(["--path", str(tmp_path / "headless.pt")]) != 0
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "hf_model.classifier.weight" in err[0], err

@@ -5,8 +5,10 @@ files only: BERT, RoBERTa, DistilBERT, MiniLM ... whatever ``transformers`` load
 folder holding only the encoder (a bare ``BertModel``) gets the head transformers initialises (from
 hetfair's seed, so every rank starts equal), as does a folder whose head has another number of
 classes. The weights are fp32 whatever the folder stores (``--precision`` casts per operation).
-Checkpoints hold this model's state dict, the head included; loading one builds the model from
-``DIR`` again, then takes the checkpoint's weights.
+Checkpoints hold this model's state dict, the head included; loading one (:func:`hetfair.load_model`)
+builds the model from ``DIR``'s config alone, without reading its weights, then takes the checkpoint's:
+transformers' load report (a head "MISSING, newly initialized") would speak of weights that are replaced,
+while a weight the checkpoint lacks is still one error.
 
 ``transformers`` is optional (the ``hf`` extra): it is imported when the model is built, and its
 absence is one error line.
@@ -25,7 +27,7 @@ from torch import nn
 from hetfair.errors import ConfigError
 from hetfair.hf_encoder.units import layer_units
 from hetfair.models import register_model
-from hetfair.models.model import HetfairModel
+from hetfair.models.model import WEIGHTS_FROM_CHECKPOINT, HetfairModel
 from hetfair.utils import absolute_path
 
 if TYPE_CHECKING:
@@ -63,9 +65,12 @@ class HfEncoderModel(HetfairModel):
             raise ConfigError("--arch hf_encoder needs --hf-model DIR: a local Hugging Face model folder")
         transformers = import_transformers()
         config = _load_config(transformers, directory, task, args.hf_dropout)
+        auto = transformers.AutoModelForSequenceClassification
+        if getattr(args, WEIGHTS_FROM_CHECKPOINT, False):  # the folder's weights would be replaced unread
+            return cls(auto.from_config(config).float(), directory)
         try:
-            hf_model = transformers.AutoModelForSequenceClassification.from_pretrained(
-                directory, config=config, local_files_only=True, ignore_mismatched_sizes=True)
+            hf_model = auto.from_pretrained(directory, config=config, local_files_only=True,
+                                            ignore_mismatched_sizes=True)
         except (OSError, ValueError) as exc:
             raise ConfigError(f"--hf-model {directory}: transformers cannot load its weights: "
                               f"{_first_line(exc)}") from exc

@@ -13,6 +13,11 @@ if TYPE_CHECKING:
     from hetfair.tasks import Task
 
 
+WEIGHTS_FROM_CHECKPOINT = "weights_from_checkpoint"
+"""An ``args`` attribute :func:`hetfair.load_model` sets to ``True``: every weight will be replaced by the
+checkpoint's (a strict ``load_state_dict``), so a build may skip reading pretrained weights."""
+
+
 class HetfairModel(nn.Module):
     """Base of registered models: declare flags in :meth:`add_args`, build in :meth:`build_model`."""
 
