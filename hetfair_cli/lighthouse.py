@@ -14,7 +14,7 @@ from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discar
 from hetfair_cli.errors import run_cli
 
 
-def _parser() -> argparse.ArgumentParser:
+def build_parser() -> argparse.ArgumentParser:
     from hetfair.live.lighthouse import DEFAULT_HOST
 
     parser = argparse.ArgumentParser(prog="hetfair-lighthouse",
@@ -31,7 +31,7 @@ def _parser() -> argparse.ArgumentParser:
 def _main(argv: list[str]) -> int:
     from hetfair.live.lighthouse import serve
 
-    args = _parser().parse_args(argv)
+    args = build_parser().parse_args(argv)
     if not 0 <= args.port <= 65535:
         raise ConfigError(f"--port {args.port} is not a TCP port: give 1-65535, or 0 for a free one")
     stop = threading.Event()

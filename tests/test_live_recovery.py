@@ -25,6 +25,8 @@ import pytest
 from helpers import final_parameters, subprocess_env, train_command
 from hetfair.checkpoint import load_checkpoint
 from hetfair_cli.train import main as train_main
+from test_mnist_plugin import needs_fashion_mnist
+from test_readme_recipes import assert_both_succeeded, checkout, page_block, run_pair, two_nodes  # noqa: F401
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
 TRAIN_SIZE = 100_000  # no epoch ends while the tests run
@@ -315,3 +317,14 @@ def test_no_lighthouse_is_one_line_after_the_timeout_and_its_advice_starts_one(t
             lighthouse.wait(timeout=30)
     finally:
         job.close()
+
+
+@needs_fashion_mnist
+def test_the_live_two_node_recipe_runs_as_typed(two_nodes, checkout):
+    scripts = (page_block("# node A, live, batch 48: the job's secret, the lighthouse, then one rank"),
+               page_block("# node B, live, batch 16: the secret node A printed, then one rank"))
+    err = assert_both_succeeded(run_pair(two_nodes, scripts, checkout, secret_from_a=True))
+    assert ("per-rank batch rank 0: 48, rank 1: 16 |" in err) != ("per-rank batch rank 0: 16, rank 1: 48 |" in err), err
+    assert "done | num_updates 10 |" in err, err  # 576 training images, 64 per update: 9 and a part
+    assert not [line for line in err.splitlines() if NATIVE_LOG.search(line)], err
+    assert (checkout / "checkpoints" / "live" / "checkpoint_last.pt").exists()

@@ -22,6 +22,7 @@ from hetfair.registry import Registry
 from hetfair.tasks import TASK_REGISTRY
 from hetfair_cli.export import build_parser as export_parser
 from hetfair_cli.generate import build_parser as generate_parser
+from hetfair_cli.lighthouse import build_parser as lighthouse_parser
 from hetfair_cli.preprocess import build_parser as preprocess_parser
 from hetfair_cli.validate import build_parser as validate_parser
 
@@ -33,6 +34,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "hetfair-preprocess": preprocess_parser,
     "hetfair-export": export_parser,
     "hetfair-generate": generate_parser,
+    "hetfair-lighthouse": lighthouse_parser,
 }
 # Further sections of a console script whose flags depend on one of its own (``--task``).
 VARIANTS: dict[str, dict[str, Callable[[], argparse.ArgumentParser]]] = {
