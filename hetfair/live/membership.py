@@ -121,8 +121,10 @@ class Heartbeat:
             self._stop.wait(HEARTBEAT_SECONDS)
 
     def close(self) -> None:
+        """Stop beating; a beat stuck on a lighthouse that stopped answering is not waited for (the thread is a
+        daemon, and a live process ends without the interpreter's teardown)."""
         self._stop.set()
-        self._thread.join()
+        self._thread.join(timeout=4 * HEARTBEAT_SECONDS)
 
 
 class Membership:
