@@ -18,11 +18,12 @@ from typing import Any, Callable, Optional, Sequence
 
 from hetfair.criteria import CRITERION_REGISTRY
 from hetfair.launch.per_process import PerProcessValues, parse_per_process, values_of
-from hetfair.errors import ConfigError
+from hetfair.errors import ConfigError, HetfairError
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.optim.implementation import IMPLEMENTATIONS
-from hetfair.parallel import COMM_HOOKS, STRATEGY_REGISTRY, ParallelConfig, check_strategy_options
+from hetfair.parallel import (COMM_HOOK_FLAGS, COMM_HOOKS, STRATEGY_REGISTRY, ZERO_SHARDING_FLAGS, ParallelConfig,
+                              check_strategy_options)
 from hetfair.plugins import import_user_dir
 from hetfair.memory.sizes import format_size, parse_size
 from hetfair.plan import AUTO
@@ -80,6 +81,21 @@ POSITIVE = Bounds(0.0, open_minimum=True, says="must be positive")
 MAX_MEMORY_BUDGET = 64 << 40
 """64 TiB: more than any one machine holds (the largest servers have 24-32 TiB of host memory, a GPU well under
 1 TiB), so a larger --memory-budget for one process is a slip of the unit or of the digits, not a budget."""
+
+
+@dataclass(frozen=True)
+class FlagOwner:
+    """A mode, chosen by giving ``selector`` the value ``value`` (``True``: the switch ``selector`` itself), and the
+    flags that mean something only in it: given without it (or another owner of theirs), they are refused
+    (:func:`check_owned_flags`). Strategies declare theirs as ``owned_flags``, the comm hooks and ZeRO in
+    :mod:`hetfair.parallel.config`, live recovery and load balancing next to their flags below."""
+
+    selector: str
+    value: Any
+    flags: tuple[str, ...]
+
+    def is_chosen(self, args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
+        return getattr(args, parser._option_string_actions[self.selector].dest) == self.value
 
 
 def _option(group: Any, *flags: str, bounds: Bounds, **kwargs: Any) -> argparse.Action:
@@ -227,6 +243,10 @@ def add_checkpoint_args(parser: argparse.ArgumentParser) -> None:
                        help="when resuming, load the model but start optimizer and schedule afresh")
 
 
+LIVE_RECOVERY = FlagOwner("--fault-tolerance", "live", ("--live-timeout",))
+"""Live recovery (:mod:`hetfair.live`) owns ``--live-timeout``."""
+
+
 def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("distributed training")
     _option(group, "--distributed-world-size", bounds=Bounds(1), type=int, default=1, metavar="N",
@@ -329,6 +349,11 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
             help="with --ddp-comm-hook powersgd/auto: rank of PowerSGD's low-rank approximation")
     _option(group, "--powersgd-start-update", bounds=Bounds(2), type=int, default=1000, metavar="N",
             help="with --ddp-comm-hook powersgd/auto: the first N updates are exact all-reduces")
+
+
+AUTO_BALANCE = FlagOwner("--auto-balance", True, ("--balance-warmup-updates", "--balance-interval",
+                                                  "--balance-smoothing", "--balance-threshold"))
+"""The load balancer (:mod:`hetfair.balance`) runs with ``--auto-balance`` only, and owns its flags."""
 
 
 def add_balance_args(parser: argparse.ArgumentParser) -> None:
@@ -457,7 +482,7 @@ def parse_train_args(argv: Sequence[str]) -> argparse.Namespace:
     model_name = add_chosen_components(parser, chosen)
     args = parser.parse_args(argv)
     args.model = model_name
-    validate_args(args, parser)
+    validate_args(args, parser, argv)
     return args
 
 
@@ -496,9 +521,10 @@ def stored_options(config: dict[str, Any]) -> argparse.Namespace:
     return argparse.Namespace(**{**vars(parser.parse_args([])), **config, "model": model_name})
 
 
-def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
     """Every core option of ``parser`` checked at start-up, before any compute or process is started:
-    the bounds each option declares (:func:`_option`), then what relates several options.
+    the bounds each option declares (:func:`_option`), then what relates several options (``argv`` tells
+    which flags were given, for :func:`check_owned_flags`).
 
     What a run needs beyond valid values (an end, writable directories, the restore file) is
     :func:`hetfair.training.check_before_start`; the ranks' agreement is checked when they meet.
@@ -514,19 +540,90 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser) -> 
             problem = None if value in (None, AUTO) else bounds.problem(value, is_float=action.type is float)
             if problem:
                 raise ConfigError(f"{action.option_strings[0]} {problem}, got {bounds.shows(value)}")
-    _check_parallel(ParallelConfig.from_args(args))
+    _check_parallel(args, parser, argv)
 
 
-def _check_parallel(config: ParallelConfig) -> None:
-    """The strategy's own checks; for ``--ddp-backend auto``, those of both backends it may choose."""
+def _check_parallel(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """The flags the modes own and the strategy's own checks; for ``--ddp-backend auto``, those of both
+    backends it may choose."""
+    config = ParallelConfig.from_args(args)
     if config.ddp_backend != AUTO:
-        check_strategy_options(config)
+        _check_backend(args, parser, argv, config)
         return
     for backend in ("c10d", "fully_sharded"):
         try:
-            check_strategy_options(replace(config, ddp_backend=backend))
+            _check_backend(argparse.Namespace(**{**vars(args), "ddp_backend": backend}), parser, argv,
+                           replace(config, ddp_backend=backend))
         except ConfigError as exc:
             raise ConfigError(f"--ddp-backend auto may choose {backend}: {exc}") from None
+
+
+def _check_backend(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str],
+                   config: ParallelConfig) -> None:
+    STRATEGY_REGISTRY.get(config.ddp_backend)  # an unknown or broken strategy is the first thing to say
+    check_owned_flags(args, parser, argv)
+    check_strategy_options(config)
+
+
+def check_owned_flags(args: argparse.Namespace, parser: argparse.ArgumentParser, argv: Sequence[str]) -> None:
+    """Refuse a flag that ``argv`` gives (its default never counts) when no mode that owns it is chosen."""
+    owners = flag_owners()
+    for flag in _given(parser, argv, {flag for owner in owners for flag in owner.flags}):
+        mine = [owner for owner in owners if flag in owner.flags]
+        if not any(owner.is_chosen(args, parser) for owner in mine):
+            raise ConfigError(f"{flag} needs {_either(mine)}{_chosen_instead(mine[0].selector, args, parser)}")
+
+
+def flag_owners() -> list[FlagOwner]:
+    """Every mode that owns flags: each strategy (``--ddp-backend``), comm hook, ZeRO mode, live recovery and
+    load balancing."""
+    strategies = [FlagOwner("--ddp-backend", name, strategy.owned_flags) for name, strategy in _strategies()]
+    hooks = [FlagOwner("--ddp-comm-hook", hook, flags) for hook, flags in COMM_HOOK_FLAGS.items()]
+    zero = [FlagOwner("--zero-sharding", mode, flags) for mode, flags in ZERO_SHARDING_FLAGS.items()]
+    return [*strategies, *hooks, *zero, LIVE_RECOVERY, AUTO_BALANCE]
+
+
+def _strategies() -> list[tuple[str, Any]]:
+    """Every strategy that loads: a plugin strategy that fails to load owns nothing here (choosing it says why)."""
+    loaded = []
+    for name in STRATEGY_REGISTRY.names():
+        try:
+            loaded.append((name, STRATEGY_REGISTRY.get(name)))
+        except HetfairError:
+            continue
+    return loaded
+
+
+def _given(parser: argparse.ArgumentParser, argv: Sequence[str], flags: set[str]) -> list[str]:
+    """Those of ``flags`` that ``argv`` gives, in the parser's order: ``argv`` parsed again into a namespace
+    where their destinations hold a marker, which argparse leaves where a flag is not given."""
+    actions = {action.option_strings[0]: action for action in parser._actions if action.option_strings}
+    unknown = sorted(flags - set(actions))
+    if unknown:
+        raise ConfigError(f"a mode claims flags hetfair-train does not have: {', '.join(unknown)}")
+    wanted = [flag for flag in actions if flag in flags]
+    unset = object()
+    namespace = argparse.Namespace(**{actions[flag].dest: unset for flag in wanted})
+    parser.parse_known_args(list(argv), namespace)
+    return [flag for flag in wanted if getattr(namespace, actions[flag].dest) is not unset]
+
+
+def _either(owners: list[FlagOwner]) -> str:
+    """``--ddp-backend localsgd or diloco``, ``--auto-balance``: the modes of ``owners`` in words."""
+    by_selector: dict[str, list[str]] = {}
+    for owner in owners:
+        by_selector.setdefault(owner.selector, []).append("" if owner.value is True else str(owner.value))
+    return " or ".join(f"{selector} {_one_of(values)}".rstrip() for selector, values in by_selector.items())
+
+
+def _one_of(values: list[str]) -> str:
+    return values[0] if len(values) == 1 else f"{', '.join(values[:-1])} or {values[-1]}"
+
+
+def _chosen_instead(selector: str, args: argparse.Namespace, parser: argparse.ArgumentParser) -> str:
+    """`` (this command has --ddp-backend c10d)``; nothing for a switch, which is simply not given."""
+    action = parser._option_string_actions[selector]
+    return "" if action.nargs == 0 else f" (this command has {selector} {getattr(args, action.dest)})"
 
 
 def _whole_number_or_auto(text: str) -> int | str:

@@ -13,6 +13,7 @@ import pytest
 
 from helpers import TOY_PLUGIN
 from hetfair.checkpoint import load_checkpoint
+from hetfair.options import build_parser, flag_owners
 from hetfair_cli.export import main as export_main
 from hetfair_cli.train import main as train_main
 
@@ -57,8 +58,22 @@ CASES = [
     (["--zero-sharding", "os", "--zero-shard-weights", "1,-1"], "must all be positive"),
     (["--zero-sharding", "os", "--distributed-world-size", "2", "--zero-shard-weights", "1,2,3"],
      "--zero-shard-weights has 3 weights but there are 2 ranks"),
-    (["--memory-budget", "99999999999999999999T"], "--memory-budget must be at most 64.0T, got 100000000000000000000.0T"),
+    (["--memory-budget", "99999999999999999999T"],
+     "--memory-budget must be at most 64.0T, got 100000000000000000000.0T"),
     (["--memory-budget", "65T"], "--memory-budget must be at most 64.0T, got 65.0T"),
+    (["--powersgd-rank", "2"], "--powersgd-rank needs --ddp-comm-hook powersgd or auto (this command has "
+                               "--ddp-comm-hook none)"),
+    (["--ddp-comm-hook", "bf16", "--powersgd-start-update", "5"],
+     "--powersgd-start-update needs --ddp-comm-hook powersgd or auto (this command has --ddp-comm-hook bf16)"),
+    (["--live-timeout", "5"], "--live-timeout needs --fault-tolerance live (this command has --fault-tolerance none)"),
+    (["--live-timeout=5"], "--live-timeout needs --fault-tolerance live"),
+    (["--balance-interval", "4"], "--balance-interval needs --auto-balance"),
+    (["--outer-lr", "0.5"], "--outer-lr needs --ddp-backend diloco (this command has --ddp-backend c10d)"),
+    (["--offload", "0"], "--offload needs --ddp-backend fully_sharded (this command has --ddp-backend c10d)"),
+    (["--ddp-backend", "fully_sharded", "--distributed-world-size", "2", "--bucket-cap-mb", "50"],
+     "--bucket-cap-mb needs --ddp-backend c10d, diloco or localsgd (this command has --ddp-backend fully_sharded)"),
+    (["--ddp-backend", "auto", "--find-unused-parameters"], "--ddp-backend auto may choose fully_sharded: "
+                                                            "--find-unused-parameters needs --ddp-backend c10d"),
     (["--criterion", "masked_lm"], "criterion masked_lm does not fit task toy (model toy_mlp): TypeError: "),
 ]
 
@@ -130,3 +145,19 @@ def test_max_update_bounds_the_run_a_total_num_update_is_checked_against(tmp_pat
                 "--total-num-update", "26", "--dry-run")
     assert train_main(flags) == 0
     assert "this run makes 5 updates (--max-update 5)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags", [["--ddp-comm-hook", "powersgd", "--powersgd-rank", "2"],
+                                   ["--ddp-comm-hook", "auto", "--powersgd-start-update", "5"],
+                                   ["--auto-balance", "--balance-interval", "4", "--balance-smoothing", "0.5"],
+                                   ["--ddp-backend", "diloco", "--outer-lr", "0.5", "--bucket-cap-mb", "50"],
+                                   ["--zero-sharding", "os", "--zero-shard-weights", "1,2",
+                                    "--distributed-world-size", "2"]],
+                         ids=lambda flags: " ".join(flags))
+def test_a_mode_takes_its_own_flags(tmp_path, capsys, flags):
+    assert train_main(toy(tmp_path / "ckpt", "--dry-run", *flags)) == 0, capsys.readouterr().err
+
+
+def test_every_flag_a_mode_owns_is_an_option():
+    options = build_parser()._option_string_actions
+    assert {flag for owner in flag_owners() for flag in owner.flags} <= set(options)

@@ -52,7 +52,8 @@ def test_checkpoints_move_between_unsharded_and_sharded_runs_of_any_size(tmp_pat
 
 @pytest.mark.parametrize("flags, message", [
     (["--ddp-backend", "fully_sharded"], "needs more than one process"),
-    (["--ddp-backend", "fully_sharded", "--zero-sharding", "os"], "drop --zero-sharding"),
+    (["--ddp-backend", "fully_sharded", "--zero-sharding", "os"],
+     "--zero-sharding needs --ddp-backend c10d (this command has --ddp-backend fully_sharded)"),
     (["--no-reshard-after-forward"], "needs --ddp-backend fully_sharded"),
 ])
 def test_combinations_that_cannot_work_are_one_line(tmp_path, capsys, flags, message):

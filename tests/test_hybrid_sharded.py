@@ -123,11 +123,12 @@ def test_ranks_given_different_reduce_dtypes_or_shard_groups_disagree():
 
 
 @pytest.mark.parametrize("flags, message", [
-    (["--reduce-dtype", "bf16"], "--reduce-dtype bf16 needs --ddp-backend fully_sharded or hybrid_sharded"),
+    (["--reduce-dtype", "bf16"], "--reduce-dtype needs --ddp-backend fully_sharded or hybrid_sharded"),
     (["--shard-group-size", "2"], "--shard-group-size needs --ddp-backend hybrid_sharded"),
     (["--ddp-backend", "fully_sharded", "--shard-group-size", "2"], "--shard-group-size needs --ddp-backend hybrid"),
     (["--ddp-backend", "hybrid_sharded"], "hybrid_sharded needs more than one process"),
-    (["--ddp-backend", "hybrid_sharded", "--zero-sharding", "os"], "drop --zero-sharding"),
+    (["--ddp-backend", "hybrid_sharded", "--zero-sharding", "os"],
+     "--zero-sharding needs --ddp-backend c10d (this command has --ddp-backend hybrid_sharded)"),
     (["--ddp-backend", "hybrid_sharded", "--distributed-world-size", "4", "--shard-group-size", "3"],
      "--shard-group-size 3 does not divide the 4 processes"),
 ])

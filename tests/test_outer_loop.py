@@ -170,20 +170,22 @@ def test_resume_on_another_world_size_restarts_the_inner_states_with_one_line(ro
 
 
 BAD_FLAGS = [
-    (["--outer-interval", "4"], "--outer-interval needs --ddp-backend localsgd or diloco (--ddp-backend c10d has no "
-                                "outer loop)"),
-    (["--ddp-backend", "fully_sharded", "--outer-lr", "0.5"], "--outer-lr needs --ddp-backend localsgd or diloco"),
+    (["--outer-interval", "4"], "--outer-interval needs --ddp-backend diloco or localsgd (this command has "
+                                "--ddp-backend c10d)"),
+    (["--ddp-backend", "fully_sharded", "--outer-lr", "0.5"], "--outer-lr needs --ddp-backend diloco (this command "
+                                                              "has --ddp-backend fully_sharded)"),
     (["--ddp-backend", "localsgd", "--outer-momentum", "0.5"], "--outer-momentum needs --ddp-backend diloco "
-                                                               "(localsgd averages the parameters)"),
+                                                               "(this command has --ddp-backend localsgd)"),
     (["--ddp-backend", "diloco", "--outer-interval", "0"], "--outer-interval must be at least 1, got 0"),
     (["--ddp-backend", "diloco", "--outer-momentum", "1"], "--outer-momentum must be in [0, 1), got 1.0"),
-    (["--ddp-backend", "diloco", "--zero-sharding", "os"], "--ddp-backend diloco keeps each node's optimizer "
-                                                           "state whole; drop --zero-sharding"),
-    (["--ddp-backend", "diloco", "--reduce-dtype", "bf16"], "--reduce-dtype bf16 needs --ddp-backend fully_sharded "
-                                                            "or hybrid_sharded; diloco sends its pseudo-gradients"),
-    (["--ddp-backend", "localsgd", "--shard-group-size", "2"], "--shard-group-size needs --ddp-backend "
-                                                               "hybrid_sharded"),
-    (["--ddp-backend", "localsgd", "--ddp-comm-hook", "bf16"], "strategy localsgd takes none: drop --ddp-comm-hook"),
+    (["--ddp-backend", "diloco", "--zero-sharding", "os"], "--zero-sharding needs --ddp-backend c10d (this command "
+                                                           "has --ddp-backend diloco)"),
+    (["--ddp-backend", "diloco", "--reduce-dtype", "bf16"],
+     "--reduce-dtype needs --ddp-backend fully_sharded or hybrid_sharded (this command has --ddp-backend diloco)"),
+    (["--ddp-backend", "localsgd", "--shard-group-size", "2"],
+     "--shard-group-size needs --ddp-backend hybrid_sharded (this command has --ddp-backend localsgd)"),
+    (["--ddp-backend", "localsgd", "--ddp-comm-hook", "bf16"], "--ddp-comm-hook needs --ddp-backend c10d (this "
+                                                               "command has --ddp-backend localsgd)"),
 ]
 
 

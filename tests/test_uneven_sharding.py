@@ -131,7 +131,8 @@ def test_bert_uneven_per_encoder_layer_matches_one_process(tmp_path):
     (["--shard-fractions", "0,1"], "--shard-fractions 0,1: give one positive finite number per rank"),
     (["--shard-fractions", "1e308,1e308"], "--shard-fractions 1e308,1e308: give one positive finite number per rank"),
     (["--shard-fractions", "1,3", "--ddp-backend", "c10d"], "--shard-fractions needs --ddp-backend fully_sharded"),
-    (["--shard-fractions", "1,3", "--ddp-backend", "hybrid_sharded"], "hybrid_sharded shards evenly"),
+    (["--shard-fractions", "1,3", "--ddp-backend", "hybrid_sharded"],
+     "--shard-fractions needs --ddp-backend fully_sharded (this command has --ddp-backend hybrid_sharded)"),
     (["--offload", "1", "--ddp-backend", "c10d"], "--offload needs --ddp-backend fully_sharded"),
     (["--offload", "2", "--shard-fractions", "1,3"], "--offload must be at most 1"),
 ])

@@ -217,7 +217,8 @@ def test_bad_shard_weights_are_one_line_errors(text, message):
 
 @pytest.mark.parametrize("extra,message", [
     (("--zero-sharding", "os"), "--zero-sharding os needs more than one process (--distributed-world-size N)"),
-    (("--zero-shard-weights", "1,2"), "--zero-shard-weights needs --zero-sharding os"),
+    (("--zero-shard-weights", "1,2"), "--zero-shard-weights needs --zero-sharding os (this command has --zero-sharding "
+                                      "none)"),
 ])
 def test_sharding_misconfiguration_is_reported(tmp_path, capsys, extra, message):
     assert train_main(toy_train_args(tmp_path, 1, (*ADAM, *extra))) == 2

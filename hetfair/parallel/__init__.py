@@ -1,8 +1,7 @@
 """In-training parallelism: one :class:`Strategy` per mode, chosen by ``--ddp-backend NAME`` from a registry."""
 
 from hetfair.parallel.context import DistributedContext
-from hetfair.errors import ConfigError
-from hetfair.parallel.config import COMM_HOOKS, ParallelConfig
+from hetfair.parallel.config import COMM_HOOK_FLAGS, COMM_HOOKS, ZERO_SHARDING_FLAGS, ParallelConfig
 from hetfair.parallel.strategy import Strategy
 from hetfair.registry import Registry
 
@@ -19,11 +18,7 @@ register_strategy = STRATEGY_REGISTRY.register
 
 def check_strategy_options(config: ParallelConfig) -> None:
     """The chosen strategy exists and accepts the other flags (at option parsing)."""
-    strategy = STRATEGY_REGISTRY.get(config.ddp_backend)
-    strategy.check_options(config)
-    if config.ddp_comm_hook != "none" and not strategy.takes_comm_hook:
-        raise ConfigError(f"--ddp-comm-hook {config.ddp_comm_hook} is a DDP communication hook, for --ddp-backend "
-                          f"c10d; strategy {config.ddp_backend} takes none: drop --ddp-comm-hook")
+    STRATEGY_REGISTRY.get(config.ddp_backend).check_options(config)
 
 
 def check_strategy_world(config: ParallelConfig, world_size: int) -> None:
@@ -39,5 +34,5 @@ def build_strategy(config: ParallelConfig, context: DistributedContext) -> Strat
     return STRATEGY_REGISTRY.get(config.ddp_backend).variant(config)(config, context)
 
 
-__all__ = ["COMM_HOOKS", "ParallelConfig", "Strategy", "STRATEGY_REGISTRY", "register_strategy", "build_strategy",
-           "check_strategy_options", "check_strategy_world"]
+__all__ = ["COMM_HOOK_FLAGS", "COMM_HOOKS", "ZERO_SHARDING_FLAGS", "ParallelConfig", "Strategy", "STRATEGY_REGISTRY",
+           "register_strategy", "build_strategy", "check_strategy_options", "check_strategy_world"]

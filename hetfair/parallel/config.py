@@ -12,6 +12,13 @@ from hetfair.errors import ConfigError
 COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "auto")
 """``--ddp-comm-hook`` choices: how the replicated strategy's DDP communicates gradients."""
 
+COMM_HOOK_FLAGS: dict[str, tuple[str, ...]] = {"powersgd": ("--powersgd-rank", "--powersgd-start-update"),
+                                               "auto": ("--powersgd-rank", "--powersgd-start-update")}
+"""The flags each ``--ddp-comm-hook`` owns (``auto`` may choose PowerSGD): refused with any other hook."""
+
+ZERO_SHARDING_FLAGS: dict[str, tuple[str, ...]] = {"os": ("--zero-shard-weights",)}
+"""The flags each ``--zero-sharding`` mode owns: refused with any other."""
+
 
 def parse_shard_fractions(text: Optional[str]) -> Optional[tuple[float, ...]]:
     """``--shard-fractions 1,3`` -> ``(0.25, 0.75)`` (normalised to sum to 1); ``None`` stays ``None``."""
@@ -72,32 +79,6 @@ class ParallelConfig:
                    shard_fractions=parse_shard_fractions(args.shard_fractions),
                    offload=bool(args.offload), ddp_comm_hook=args.ddp_comm_hook, powersgd_rank=args.powersgd_rank,
                    powersgd_start_update=args.powersgd_start_update)
-
-    def refuse_sharding_flags(self, instead: str) -> None:
-        """For a mode that does not shard parameters: refuse the sharded modes' flags (a :class:`ConfigError`);
-        ``instead`` says what this mode offers in their place."""
-        if not self.reshard_after_forward:
-            raise ConfigError("--no-reshard-after-forward needs --ddp-backend fully_sharded or hybrid_sharded")
-        if self.reduce_dtype != "fp32":
-            raise ConfigError(f"--reduce-dtype {self.reduce_dtype} needs --ddp-backend fully_sharded or "
-                              f"hybrid_sharded; {instead}")
-        if self.shard_group_size is not None:
-            raise ConfigError("--shard-group-size needs --ddp-backend hybrid_sharded")
-        if self.shard_fractions is not None:
-            raise ConfigError(f"--shard-fractions needs --ddp-backend fully_sharded ({self.ddp_backend} does not shard "
-                              f"the parameters); {instead}")
-        if self.offload:
-            raise ConfigError(f"--offload needs --ddp-backend fully_sharded ({self.ddp_backend} does not shard the "
-                              f"parameters); {instead}")
-
-    def refuse_outer_flags(self) -> None:
-        """For a mode without an outer loop: refuse the outer-loop flags (a :class:`ConfigError`)."""
-        given = [flag for flag, value in (("--outer-interval", self.outer_interval), ("--outer-lr", self.outer_lr),
-                                          ("--outer-momentum", self.outer_momentum)) if value is not None]
-        if given:
-            verb = "need" if len(given) > 1 else "needs"
-            raise ConfigError(f"{' and '.join(given)} {verb} --ddp-backend localsgd or diloco "
-                              f"(--ddp-backend {self.ddp_backend} has no outer loop)")
 
     def shared_settings(self) -> dict[str, Any]:
         """The flags every rank must be given alike (their collectives differ otherwise), by flag."""

@@ -15,7 +15,6 @@ groups of N consecutive ranks (also to try the mode on one machine).
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import TYPE_CHECKING, Optional
 
 import torch
@@ -37,18 +36,12 @@ class HybridShardedStrategy(FullyShardedStrategy):
     """Fully sharded over the ranks of a node (or of ``--shard-group-size``), replicated over the nodes."""
 
     takes_shard_fractions = False  # FSDP2's even shards inside each node
+    owned_flags = ("--no-reshard-after-forward", "--reduce-dtype", "--shard-group-size")
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         super().__init__(config, context)
         self.layout: list[list[int]] = []
         """The ranks of each node (a row of the mesh), once the model is sharded."""
-
-    @classmethod
-    def check_options(cls, config: ParallelConfig) -> None:
-        super().check_options(replace(config, shard_group_size=None))  # the one flag fully_sharded refuses is ours
-        if config.shard_fractions is not None:
-            raise ConfigError("--shard-fractions needs --ddp-backend fully_sharded (hybrid_sharded shards evenly "
-                              "inside each node)")
 
     @classmethod
     def variant(cls, config: ParallelConfig) -> type[Strategy]:

@@ -50,7 +50,6 @@ from torch.distributed.algorithms.model_averaging.utils import average_parameter
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from hetfair.errors import ConfigError
 from hetfair.parallel import register_strategy
 from hetfair.parallel.collectives import all_gather_ints
 from hetfair.parallel.config import ParallelConfig
@@ -74,15 +73,9 @@ def node_ranks(context: DistributedContext) -> list[list[int]]:
 class OuterLoopStrategy(Strategy):
     """Inner updates inside each node, an outer step across nodes every ``--outer-interval`` updates."""
 
+    owned_flags = ("--outer-interval", "--find-unused-parameters", "--bucket-cap-mb")  # DDP inside each node
     outer_lr = 1.0
     outer_momentum = 0.0
-
-    @classmethod
-    def check_options(cls, config: ParallelConfig) -> None:
-        name = config.ddp_backend
-        if config.zero_sharding != "none" or config.zero_shard_weights is not None:
-            raise ConfigError(f"--ddp-backend {name} keeps each node's optimizer state whole; drop --zero-sharding")
-        config.refuse_sharding_flags(instead=f"{name} sends its pseudo-gradients only every --outer-interval updates")
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         super().__init__(config, context)
@@ -223,20 +216,13 @@ class OuterLoopStrategy(Strategy):
 class LocalSGDStrategy(OuterLoopStrategy):
     """LocalSGD: every ``--outer-interval`` updates, the sample-weighted average of the parameters."""
 
-    @classmethod
-    def check_options(cls, config: ParallelConfig) -> None:
-        super().check_options(config)
-        given = [flag for flag, value in (("--outer-lr", config.outer_lr), ("--outer-momentum", config.outer_momentum))
-                 if value is not None]
-        if given:
-            verb = "need" if len(given) > 1 else "needs"
-            raise ConfigError(f"{' and '.join(given)} {verb} --ddp-backend diloco (localsgd averages the parameters)")
-
 
 @register_strategy("diloco")
 class DiLoCoStrategy(OuterLoopStrategy):
     """DiLoCo: every ``--outer-interval`` updates, an outer Nesterov SGD step on the sample-weighted mean
     pseudo-gradient."""
+
+    owned_flags = (*OuterLoopStrategy.owned_flags, "--outer-lr", "--outer-momentum")
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         self.outer_lr = 0.7 if config.outer_lr is None else config.outer_lr

@@ -19,7 +19,6 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from hetfair.parallel import zero
-from hetfair.errors import ConfigError
 from hetfair.parallel import register_strategy
 from hetfair.parallel.comm_hooks import GradientComm
 from hetfair.parallel.config import ParallelConfig
@@ -35,7 +34,7 @@ class ReplicatedStrategy(Strategy):
     """DistributedDataParallel over the whole model (nothing to wrap on one process); ZeRO-1 and a
     communication hook on request."""
 
-    takes_comm_hook = True
+    owned_flags = ("--zero-sharding", "--ddp-comm-hook", "--find-unused-parameters", "--bucket-cap-mb")
 
     def __init__(self, config: ParallelConfig, context: "DistributedContext") -> None:
         super().__init__(config, context)
@@ -44,11 +43,7 @@ class ReplicatedStrategy(Strategy):
     @classmethod
     def check_options(cls, config: ParallelConfig) -> None:
         if config.zero_shard_weights is not None:
-            if config.zero_sharding != "os":
-                raise ConfigError("--zero-shard-weights needs --zero-sharding os")
             zero.parse_shard_weights(config.zero_shard_weights)
-        config.refuse_sharding_flags(instead="replicated training compresses with --ddp-comm-hook")
-        config.refuse_outer_flags()
 
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:

@@ -25,19 +25,7 @@ class ShardedGradientsStrategy(Strategy):
     """A mode whose ranks each hold a shard of every parameter and gradient (``--ddp-backend fully_sharded``)."""
 
     takes_shard_fractions = True
-
-    @classmethod
-    def check_options(cls, config: ParallelConfig) -> None:
-        if config.zero_sharding != "none" or config.zero_shard_weights is not None:
-            raise ConfigError(f"--ddp-backend {config.ddp_backend} already shards the optimizer state; "
-                              f"drop --zero-sharding")
-        if config.shard_group_size is not None:
-            raise ConfigError("--shard-group-size needs --ddp-backend hybrid_sharded (fully_sharded shards over "
-                              "all ranks)")
-        config.refuse_outer_flags()
-        if config.ddp_comm_hook != "none":
-            raise ConfigError(f"--ddp-comm-hook {config.ddp_comm_hook} is for --ddp-backend c10d; "
-                              f"{config.ddp_backend} reduce-scatters its gradients: use --reduce-dtype bf16 to halve them")
+    owned_flags = ("--no-reshard-after-forward", "--reduce-dtype", "--shard-fractions", "--offload")
 
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:

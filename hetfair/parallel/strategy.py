@@ -27,8 +27,9 @@ if TYPE_CHECKING:
 class Strategy:
     """One parallelism mode of one process: built from the run's :class:`ParallelConfig` and its rank."""
 
-    takes_comm_hook: ClassVar[bool] = False
-    """Whether the mode honours ``--ddp-comm-hook`` (others refuse it at option parsing)."""
+    owned_flags: ClassVar[tuple[str, ...]] = ()
+    """The flags that mean something only in this mode (and the others that own them): given with another
+    ``--ddp-backend``, they are refused at option parsing (:func:`hetfair.options.check_owned_flags`)."""
     compile_refusal: ClassVar[Optional[str]] = None
     """Why ``--compile`` cannot trace the mode's model, as the one-line error the trainer gives (``None``: it can)."""
     takes_shard_fractions: ClassVar[bool] = False
