@@ -64,6 +64,7 @@ def test_hetseq_command_trains_and_validates_on_the_test_split(data, tmp_path: P
     updates = [r for r in records if r.get("phase") == "train_inner"]
     assert [r["num_updates"] for r in updates] == [1, 2, 3]
     assert all(r["bsz"] == 128 and 5 < r["loss"] < 12 for r in updates)  # ~log2(vocab) bits at the start
+    assert all(r["wps"] > r["bsz"] * r["ups"] and "sps" not in r for r in updates)  # tokens/s: many per sample
     assert any(r.get("phase") == "test" and "ppl" in r for r in records)
     state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     assert state["config"]["hidden_size"] == 32 and state["config"]["optimizer"] == "adamw"

@@ -63,11 +63,12 @@ def test_the_example_scheduler_checks_its_options(my_optim, tmp_path, capsys):
     assert capsys.readouterr().err == "hetfair-train: error: --lr-shrink must be in (0, 1), got 2.0\n"
 
 
-def test_a_criterion_that_logs_no_counts_still_gets_wps_and_bsz_from_the_collaters_batch(tmp_path, capsys):
+def test_a_criterion_that_logs_no_counts_still_gets_sps_and_bsz_from_the_collaters_batch(tmp_path, capsys):
     assert train_main(["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--criterion", "toy_loss_only",
                        "--max-update", "3", "--log-interval", "1", "--max-sentences", "16", "--no-save",
                        "--disable-validation", "--log-format", "json"]) == 0
     records = [json.loads(line) for line in capsys.readouterr().err.splitlines() if line.startswith("{")]
     inner = [r for r in records if r["phase"] == "train_inner"]
-    assert len(inner) == 3 and all(r["bsz"] == 16.0 and r["wps"] > 0 for r in inner)
-    assert all(r["wps"] == pytest.approx(16.0 * r["ups"], rel=1e-3) for r in inner)  # toy ntokens: one per sample
+    assert len(inner) == 3 and all(r["bsz"] == 16.0 and r["sps"] > 0 for r in inner)
+    assert all(r["sps"] == pytest.approx(16.0 * r["ups"], rel=1e-3) for r in inner)  # 16 samples an update
+    assert not any("wps" in r for r in inner)  # the toy's samples are vectors: no tokens to count

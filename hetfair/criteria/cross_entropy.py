@@ -28,7 +28,8 @@ class CrossEntropyCriterion(HetfairCriterion):
         # One device-to-host copy for all statistics.
         logging_output = dict(zip(stats, torch.stack([v.double() for v in stats.values()]).tolist()))
         logging_output["nsentences"] = float(sample["nsentences"])
-        logging_output["ntokens"] = float(sample["ntokens"])
+        if "ntokens" in sample:  # token tasks; an image has none
+            logging_output["ntokens"] = float(sample["ntokens"])
         return loss, int(target.numel()), logging_output
 
     def counts(self, logits: torch.Tensor, predicted: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:

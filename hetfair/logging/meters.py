@@ -15,7 +15,7 @@ class IntervalStats:
 
     Metrics: the criterion's (loss, accuracy, ppl ...), ``lr``, ``gnorm`` (mean),
     ``clip`` (percent of updates clipped), ``ups`` (updates/s), ``wps``
-    (tokens/s), ``bsz`` (samples per update), plus per rank ``share{r}`` (percent
+    (tokens/s, where the batches count tokens: ``ntokens``; else ``sps``, samples/s), ``bsz`` (samples per update), plus per rank ``share{r}`` (percent
     of the interval's samples) and ``sps{r}`` (samples per second of its own compute), and
     ``balance_eff``: the compute time the interval's samples would have needed had
     every rank finished together at its measured speed, ``sum_r n_r / sum_r sps_r``,
@@ -27,7 +27,7 @@ class IntervalStats:
     ``balance_eff`` are an update late (:attr:`UpdateResult.compute_seconds`), and are taken
     with the samples they measured.
 
-    The seconds behind ``ups`` and ``wps`` are the updates' own (data loading
+    The seconds behind ``ups`` and ``wps`` / ``sps`` are the updates' own (data loading
     included), as the loop passes them to :meth:`add`: validation and checkpoint
     writing between updates do not count.
 
@@ -88,7 +88,7 @@ class IntervalStats:
             gnorm=self.gnorm_sum / self.updates,
             clip=100.0 * self.clipped / self.updates,
             ups=self.updates / elapsed,
-            wps=self.totals.get("ntokens", 0.0) / elapsed,
+            **self._throughput(elapsed),
             bsz=self.totals.get("nsentences", 0.0) / self.updates,
         )
         total_samples = sum(self.samples)
@@ -102,6 +102,12 @@ class IntervalStats:
             metrics["balance_eff"] = sum(timed) / total_speed / self.slowest_seconds
         metrics.update(scaling)
         return metrics
+
+    def _throughput(self, elapsed: float) -> dict[str, float]:
+        """``wps`` (tokens per second) where the batches count tokens, else ``sps`` (samples per second)."""
+        if "ntokens" in self.totals:
+            return {"wps": self.totals["ntokens"] / elapsed}
+        return {"sps": self.totals.get("nsentences", 0.0) / elapsed}
 
     def state_dict(self) -> dict[str, Any]:
         """Plain-data snapshot for checkpoints."""

@@ -56,8 +56,10 @@ class Task:
     def collater(self, samples: list[Any]) -> dict[str, Any]:
         """Merge dataset items into a batch dict.
 
-        The batch must contain ``nsentences`` and ``ntokens`` counts; the default
-        stacks ``(input, target)`` pairs into ``{"net_input": {"x": ...}, "target": ...}``.
+        The batch must contain an ``nsentences`` count (samples) and, where samples are token
+        sequences, an ``ntokens`` count (``wps`` reads it; without it the progress shows ``sps``,
+        samples per second). The default stacks ``(input, target)`` pairs (images, vectors: no
+        tokens) into ``{"net_input": {"x": ...}, "target": ...}``.
         """
         inputs = torch.stack([item[0] for item in samples])
         targets = torch.as_tensor([int(item[1]) for item in samples])
@@ -65,7 +67,6 @@ class Task:
             "net_input": {"x": inputs},
             "target": targets,
             "nsentences": len(samples),
-            "ntokens": len(samples),
         }
 
     def max_positions(self) -> int | None:

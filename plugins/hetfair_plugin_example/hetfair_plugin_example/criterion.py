@@ -26,7 +26,6 @@ class MSECriterion(HetfairCriterion):
             "loss": float(loss.detach()),
             "sample_size": float(sample_size),
             "nsentences": float(sample["nsentences"]),
-            "ntokens": float(sample["ntokens"]),
         }
         return loss, sample_size, logging_output
 

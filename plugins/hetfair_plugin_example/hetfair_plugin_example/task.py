@@ -62,5 +62,4 @@ class ExampleRegressionTask(Task):
             "net_input": {"x": inputs},
             "target": targets,
             "nsentences": len(samples),
-            "ntokens": len(samples),
         }
