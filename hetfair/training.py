@@ -24,6 +24,7 @@ from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig
 from hetfair.parallel.comm_advice import CommAdvisor, LinkMeasurement
 from hetfair.parallel.comm_hooks import CommStatePart
 from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.nodes import gather_layout
 from hetfair.launch.preemption import StopAgreement, requested_by
 from hetfair.parallel.stats import UpdateResult
 from hetfair.errors import ConfigError, Preempted
@@ -448,7 +449,8 @@ class TrainingRun:
         if self.comm is None:
             return None
         link = LinkMeasurement(self.comm.gradient_bytes, self.comm.time_all_reduce(),
-                               self.comm.powersgd_bytes(self.config.parallel.powersgd_rank))
+                               self.comm.powersgd_bytes(self.config.parallel.powersgd_rank),
+                               len(gather_layout(self.context)))
         kept = self.comm.mode if self.comm.requested == "auto" and self.comm.mode != "none" else None
         return CommAdvisor(link, self.comm.requested, kept)
 

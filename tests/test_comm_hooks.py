@@ -150,7 +150,7 @@ def test_powersgd_recovers_from_fp16_overflows_and_starts_afresh_with_one_line_w
 
 
 # -- pick by measurement --------------------------------------------------------------
-LINK = LinkMeasurement(gradient_bytes=4_000_000, all_reduce_seconds=0.4, powersgd_bytes=200_000)
+LINK = LinkMeasurement(gradient_bytes=4_000_000, all_reduce_seconds=0.4, powersgd_bytes=200_000, nodes=2)
 
 
 @pytest.mark.parametrize("compute, requested, chosen, says", [
@@ -168,8 +168,23 @@ def test_the_advice_follows_the_rule(compute, requested, chosen, says):
                              f"{compute * 1e3:.3g} ms per update | {says}")
 
 
+@pytest.mark.parametrize("all_reduce, compute, nodes, bound", [
+    (3.6, 0.74, 2, True), (0.9, 0.50, 2, True), (0.375, 0.36, 4, True), (1.5, 0.32, 4, True), (3.6, 0.38, 2, True),
+    (0.0039, 0.0051, 1, False), (0.00808, 0.00619, 1, False), (0.00446, 0.00448, 1, False),
+], ids=["mini-2-50M", "mini-2-200M", "tiny-4-200M", "tiny-4-50M", "mini-2-50M-quiet", "loopback-3-issue",
+        "loopback-3-a", "loopback-3-b"])
+def test_the_rule_agrees_with_the_measured_rows_of_docs_comm_hooks(all_reduce, compute, nodes, bound):
+    """docs/comm-hooks.md's table: slow links between nodes, where PowerSGD was 2-11x the exact all-reduce, and
+    one machine's loopback processes, where no hook was faster."""
+    link = LinkMeasurement(gradient_bytes=1_000_000, all_reduce_seconds=all_reduce, powersgd_bytes=50_000, nodes=nodes)
+    advice = advise(link, compute, "none")
+    assert advice.bound == bound and advice.suggested == ("powersgd" if bound else "none")
+    if nodes == 1:
+        assert "not bandwidth-bound (every rank on one node: no network link to spare)" in advice.line()
+
+
 def test_half_precision_is_advised_where_powersgd_would_not_send_less():
-    link = LinkMeasurement(gradient_bytes=4_000, all_reduce_seconds=1.0, powersgd_bytes=3_000)  # mostly biases
+    link = LinkMeasurement(gradient_bytes=4_000, all_reduce_seconds=1.0, powersgd_bytes=3_000, nodes=2)  # biases
     assert advise(link, 0.1, "none").suggested == "bf16"  # bf16 before fp16: the same bytes, fp32's range
 
 

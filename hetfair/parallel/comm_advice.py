@@ -7,10 +7,14 @@ it reads is the same on every rank), and the run logs it in one ``comm |`` line.
 
 The rule: the exact fp32 all-reduce of ``B`` bytes takes ``t`` (measured); a mode
 that sends ``b`` bytes is predicted to take ``t * b / B`` (bandwidth-bound links:
-latency ignored). The run is *bandwidth-bound* when ``t`` is at least
-:data:`BOUND_RATIO` of the compute time of an update (the slowest rank's): DDP
-overlaps the all-reduce with the backward pass, about that share of the compute,
-so a longer one shows in the update time. Not bandwidth-bound: ``none``. Bound:
+latency ignored). The run is *bandwidth-bound* when its ranks sit on more than one
+node (:mod:`hetfair.parallel.nodes`: their traffic crosses a network link) and ``t``
+is at least :data:`BOUND_RATIO` of the compute time of an update (the slowest rank's):
+DDP overlaps the all-reduce with the backward pass, about that share of the compute,
+so a longer one shows in the update time. Ranks of one node exchange gradients by
+memory copies, which no hook shortens (each costs its own compute on the same
+processors): measured on 3 loopback processes, PowerSGD was no faster at an
+all-reduce of 0.8-1.3x the compute (docs/comm-hooks.md). Not bandwidth-bound: ``none``. Bound:
 the mode predicted fastest, of bf16, fp16 and powersgd (bf16 before fp16 at equal
 bytes: it keeps fp32's range). ``auto`` switches that mode on and says so in the
 line; otherwise the line only suggests it. A lossy mode is always named lossy.
@@ -41,6 +45,8 @@ class LinkMeasurement:
     """Seconds of one all-reduce of ``gradient_bytes``: the slowest rank's."""
     powersgd_bytes: int
     """Bytes PowerSGD sends per update at this run's ``--powersgd-rank``."""
+    nodes: int
+    """The nodes the job's ranks sit on (1: no network link between them)."""
 
     @property
     def bandwidth(self) -> float:
@@ -83,7 +89,8 @@ class CommAdvice:
         if self.kept:
             return f"{bound}: auto keeps {_named(self.chosen)}, its choice before the restart"
         if not self.bound:
-            fits = "not bandwidth-bound: the exact all-reduce (none) fits"
+            where = " (every rank on one node: no network link to spare)" if self.link.nodes == 1 else ""
+            fits = f"not bandwidth-bound{where}: the exact all-reduce (none) fits"
             if self.requested == "auto":
                 return fits + "; auto keeps it"
             return fits if self.chosen == "none" else f"{fits}; this run uses {_named(self.chosen)}"
@@ -98,7 +105,7 @@ class CommAdvice:
 def advise(link: LinkMeasurement, compute_seconds: float, requested: str, kept: Optional[str] = None) -> CommAdvice:
     """Apply the module's rule to the measurements; ``requested`` is ``--ddp-comm-hook``, ``kept`` the mode
     ``auto`` chose before a restart (restored from the checkpoint; it stays)."""
-    bound = link.all_reduce_seconds >= BOUND_RATIO * compute_seconds
+    bound = link.nodes > 1 and link.all_reduce_seconds >= BOUND_RATIO * compute_seconds
     suggested = min(LOSSY, key=lambda mode: (link.predicted_seconds(mode), LOSSY.index(mode))) if bound else "none"
     chosen = kept or (suggested if requested == "auto" else requested)
     return CommAdvice(link, compute_seconds, requested, bound, suggested, chosen, kept is not None)
