@@ -10,7 +10,7 @@ runs in one bash whose ``srun`` starts its task on each of the two nodes with th
 gives it. docs/multi-node.md's recipes train on 640 images of Fashion-MNIST (``--max-images 640``)
 as typed; the README's trains on all of it, so there ``--dataset fashion-mnist`` becomes a small
 directory of random images, and a CPU process's ``--max-sentences auto`` gets the budget the README
-asks for without a GPU.
+asks for without a GPU. docs/slow-links.md's two commands run on a link shaped to 10 Mbit/s.
 """
 
 from __future__ import annotations
@@ -151,6 +151,20 @@ def test_the_multi_node_torchrun_recipe_runs_as_typed(two_nodes, checkout):
     assert ("per-rank batch rank 0: 48, rank 1: 16 |" in err) != ("per-rank batch rank 0: 16, rank 1: 48 |" in err), err
     assert "done | num_updates 10 |" in err, err
     assert (checkout / "checkpoints" / "two-nodes" / "checkpoint_last.pt").exists()
+
+
+def test_the_slow_links_per_node_commands_run_as_typed(two_nodes, checkout):
+    for index in range(2):
+        two_nodes.shape(index, "10mbit")
+    scripts = (page_block("# node A over a slow link: the job's secret, then rank 0"),
+               page_block("# node B over a slow link: the secret node A printed, then rank 1"))
+    results = run_pair(two_nodes, scripts, checkout, secret_from_a=True)
+    assert_both_succeeded(results)
+    err_a = results[0][1]
+    assert "per-rank batch rank 0: 24, rank 1: 8 |" in err_a and "done | num_updates 6 |" in err_a, err_a
+    [comm] = [line for line in err_a.splitlines() if line.startswith("comm | ")]
+    assert "powersgd (lossy)" in comm, comm
+    assert (checkout / "checkpoints" / "slow-links" / "checkpoint_last.pt").exists()
 
 
 def fake_srun(network: Network) -> str:
