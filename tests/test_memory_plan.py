@@ -136,6 +136,16 @@ def test_budgets_shard_the_state_and_the_memory_table_shows_it_and_warns_a_rank_
     assert "--activation-checkpointing" not in warnings[0] and "--shard-fractions" not in warnings[0]  # no help
 
 
+def test_a_replicated_plan_that_cannot_fit_is_told_to_shard_and_the_sharded_command_trains(tmp_path):
+    replicated = [arg for arg in sharded_toy(tmp_path, "--memory-budget", "150K,1G")
+                  if arg not in ("--ddp-backend", "fully_sharded")]  # the default backend: c10d
+    result, = run_nodes([replicated], tmp_path)
+    [error] = result.stderr.strip().splitlines()
+    assert result.returncode == 2 and error.endswith("; shard the state with --ddp-backend fully_sharded"), error
+    followed, = run_nodes([[*replicated, "--ddp-backend", "fully_sharded"]], tmp_path)
+    assert followed.returncode == 0 and "num_updates 1" in followed.stderr, followed.stderr
+
+
 def sim_over_budget(tmp_path: Path, max_sentences: str, budgets: str) -> subprocess.CompletedProcess:
     """Two replicated ranks of the simulated cluster's model (no sharding units), 0.75M of activations a sample."""
     result, = run_nodes([["--user-dir", str(SIMCLUSTER), "--task", "sim", "--sim-hidden", "65536", "--sim-speeds",
