@@ -196,8 +196,11 @@ class TrainingRun:
             self._check_criterion(self.trainer.model, self.trainer.criterion, move_to_device(dummy, context.device), args)
         self._check_memory_fit(param_bytes, job.budgets)
         self._memory_to_report: Optional[FirstUpdateMemory] = None  # the first update's, once it runs
+        # not where units are gathered: one rank recomputing a gathered unit the others do not recompute
+        # mismatches their collectives (gloo aborts; sim_mlp with --sim-layers 1 and --activation-checkpointing 1,0)
         self._can_checkpoint = not self.trainer.config.activation_checkpointing and isinstance(
-            model, HetfairModel) and bool(model.sharding_units())
+            model, HetfairModel) and bool(model.sharding_units()) and \
+            self.trainer.strategy.largest_gathered_unit_bytes() == 0
         self._memory_table_wanted = context.world_size > 1 or any(budget is not None for budget in job.budgets)
         """The ``memory |`` table has something to say: several ranks, or a budget to hold a rank to (the same on
         every rank: it is a collective)."""

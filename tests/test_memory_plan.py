@@ -146,13 +146,13 @@ def test_a_replicated_plan_that_cannot_fit_is_told_to_shard_and_the_sharded_comm
     assert followed.returncode == 0 and "num_updates 1" in followed.stderr, followed.stderr
 
 
-def sim_over_budget(tmp_path: Path, max_sentences: str, budgets: str) -> subprocess.CompletedProcess:
+def sim_over_budget(tmp_path: Path, max_sentences: str, budgets: str, *extra: str) -> subprocess.CompletedProcess:
     """Two replicated ranks of the simulated cluster's model (no sharding units), 0.75M of activations a sample."""
     result, = run_nodes([["--user-dir", str(SIMCLUSTER), "--task", "sim", "--sim-hidden", "65536", "--sim-speeds",
                           "1,1", "--sim-sample-ms", "0", "--sim-train-size", "400", "--optimizer", "sgd", "--lr",
                           "0.3", "--no-save", "--disable-validation", "--log-format", "simple", "--max-update", "1",
                           "--distributed-world-size", "2", "--distributed-timeout", "60", "--max-sentences",
-                          max_sentences, "--memory-budget", budgets]], tmp_path)
+                          max_sentences, "--memory-budget", budgets, *extra]], tmp_path)  # later flags win
     assert result.returncode == 0, result.stderr
     return result
 
@@ -184,3 +184,12 @@ def test_a_plan_that_cannot_fit_fails_at_start_up_in_one_line(tmp_path):
     followed, = run_nodes([sharded_toy(tmp_path, "--memory-budget", "40K,1G", "--shard-fractions", fractions[1])],
                           tmp_path)
     assert followed.returncode == 0 and "num_updates 1" in followed.stderr, followed.stderr
+
+
+def test_a_rank_of_a_sharded_run_is_not_told_to_checkpoint_activations_alone(tmp_path):
+    """Fully sharded, one hidden layer (a sharding unit): recomputing a gathered unit on rank 0 only would mismatch
+    the ranks' gathers (gloo aborts the job), so the warning leaves --activation-checkpointing out."""
+    warned = sim_over_budget(tmp_path, "200,200", "500M,2G", "--ddp-backend", "fully_sharded", "--sim-layers", "1",
+                             "--sim-hidden", "4096").stderr
+    (warning,) = [line for line in warned.splitlines() if line.startswith("memory | warning: rank 0's")]
+    assert "--activation-checkpointing" not in warning and "--max-sentences" in warning, warning
