@@ -101,10 +101,11 @@ def table_lines(rows: list[RankMemory]) -> list[str]:
                        for rank, row in enumerate(rows)]
 
 
-def over_budget_lines(rows: list[RankMemory], device_type: str) -> list[str]:
-    """One warning per rank whose peak passed its budget, with what would make it fit."""
+def over_budget_lines(rows: list[RankMemory], device_type: str, takes_fractions: bool) -> list[str]:
+    """One warning per rank whose peak passed its budget, with what would make it fit (``takes_fractions``: the
+    mode gives each rank the share of the state its fractions or budgets say)."""
     return [f"memory | warning: rank {rank}'s first update peaked at {format_size(row.peak)}, above its memory "
-            f"budget {format_size(row.budget)}; {_remedy(rank, row, device_type)}"
+            f"budget {format_size(row.budget)}; {_remedy(rank, row, device_type, takes_fractions)}"
             for rank, row in enumerate(rows) if row.headroom is not None and row.headroom < 0]
 
 
@@ -113,7 +114,7 @@ BUDGET_MARGIN = 0.2
 to it keeps this fraction of its budget's room for activations free (the resident set varies from run to run)."""
 
 
-def _remedy(rank: int, row: RankMemory, device_type: str) -> str:
+def _remedy(rank: int, row: RankMemory, device_type: str, takes_fractions: bool) -> str:
     """What would bring ``row``'s rank under its budget: only remedies that can save what it went over by
     (the process's memory before the update is not theirs to save), and always a larger budget."""
     assert row.budget is not None
@@ -129,7 +130,7 @@ def _remedy(rank: int, row: RankMemory, device_type: str) -> str:
         fitting = int(room // row.activations_per_sample)
         if 0 < fitting < row.samples:
             remedies.append(f"at most --max-sentences {fitting} on rank {rank} (it took {row.samples})")
-    if row.state > over:
+    if row.state > over and takes_fractions:
         remedies.append("a larger share of the state for the other ranks (--shard-fractions or their "
                         "--memory-budget)")
         if device_type == "cuda":

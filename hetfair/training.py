@@ -470,7 +470,8 @@ class TrainingRun:
         own = self._memory_to_report.finish(self.trainer.strategy, self.trainer.optimizer, self.budget, samples,
                                             self._can_checkpoint)
         rows = gather_rows(self.context, own)
-        for line in table_lines(rows) + over_budget_lines(rows, self.context.device.type):
+        warnings = over_budget_lines(rows, self.context.device.type, self.trainer.strategy.takes_shard_fractions)
+        for line in table_lines(rows) + warnings:
             self._notice(line)
 
     def _report_optimizer_shards(self) -> None:

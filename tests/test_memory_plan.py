@@ -193,3 +193,11 @@ def test_a_rank_of_a_sharded_run_is_not_told_to_checkpoint_activations_alone(tmp
                              "--sim-hidden", "4096").stderr
     (warning,) = [line for line in warned.splitlines() if line.startswith("memory | warning: rank 0's")]
     assert "--activation-checkpointing" not in warning and "--max-sentences" in warning, warning
+
+
+def test_a_replicated_rank_is_not_told_to_give_its_state_to_others(tmp_path):
+    """Replicated, every rank holds the whole state (256M here, more than rank 0 went over its budget by): no
+    --shard-fractions or budget of the others changes that, so the warning does not offer them."""
+    warned = sim_over_budget(tmp_path, "200,200", "500M,2G", "--sim-layers", "2", "--sim-hidden", "4096").stderr
+    (warning,) = [line for line in warned.splitlines() if line.startswith("memory | warning: rank 0's")]
+    assert "--shard-fractions" not in warning and "--memory-budget" in warning, warning
