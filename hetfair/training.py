@@ -179,9 +179,9 @@ class TrainingRun:
         self.shape = fit_shape(config.data, self.nominal_shape, self.caps)
         self.balancer = self._new_balancer()
         self._show_plan()
-        self._check_schedule_length()
         if not self.args.dry_run:  # a dry run ends with the plan: nothing trains, nothing is written
             self._set_up_training(model, criterion, dummy, job)
+        self._check_schedule_length()  # once nothing else can fail at start-up: an error comes alone
 
     def _set_up_training(self, model: torch.nn.Module, criterion: torch.nn.Module, dummy: dict, job: JobFacts) -> None:
         """The trainer, validator, meters and checkpoints of the planned run; resume; announce it."""
