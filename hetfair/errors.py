@@ -35,6 +35,12 @@ class ConfigError(HetfairError):
     """Inconsistent or invalid options."""
 
 
+class JobWideError(ConfigError):
+    """A mistake every rank finds alike, from what they all exchanged at start-up (the plan, a budget too small):
+    the launcher reports it as the job's, without the ``[rank N]`` of the process that happened to report first
+    (the message names the ranks it is about)."""
+
+
 class DataError(HetfairError):
     """Missing, corrupt or unreadable data."""
 

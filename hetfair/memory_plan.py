@@ -13,7 +13,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Callable, Optional, Sequence
 
-from hetfair.errors import ConfigError
+from hetfair.errors import JobWideError
 from hetfair.memory.budget import fractions_from_budgets
 from hetfair.memory.sizes import format_size
 from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig
@@ -74,7 +74,7 @@ def check_fit(size: StateSize, shares: Sequence[tuple[float, float]], budgets: S
         need = size.of_rank(share) + size.largest_unit_bytes
         if budget is None or need <= budget:
             continue
-        raise ConfigError(f"rank {rank} would hold {format_size(size.of_rank(share))} of training state plus a "
+        raise JobWideError(f"rank {rank} would hold {format_size(size.of_rank(share))} of training state plus a "
                           f"gathered unit of {format_size(size.largest_unit_bytes)}, more than its memory budget "
                           f"{format_size(budget)}; "
                           f"{_remedy(size, rank, budget, len(budgets), takes_fractions, can_offload)}")

@@ -176,7 +176,8 @@ def test_a_plan_that_cannot_fit_fails_at_start_up_in_one_line(tmp_path):
     result, = run_nodes([sharded_toy(tmp_path, "--memory-budget", "40K,1G", "--shard-fractions", "1,1")], tmp_path)
     errors = result.stderr.strip().splitlines()
     assert result.returncode == 2 and len(errors) == 1, result.stderr
-    assert "rank 0 would hold" in errors[0] and "more than its memory budget 40.0K" in errors[0]
+    assert errors[0].startswith("hetfair-train: error: rank 0 would hold"), errors[0]  # the job's: no "[rank 1]"
+    assert "more than its memory budget 40.0K" in errors[0]
     assert "memory |" not in result.stderr  # no update ran
     assert "--offload" not in errors[0]  # CPU ranks: offloading moves GPU state to host memory, nothing here
     fractions = re.search(r"--shard-fractions ([\d.]+,[\d.]+)", errors[0])

@@ -36,7 +36,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 from hetfair.launch.preemption import PREEMPT_SIGNALS, PREEMPTED_EXIT_CODE, preemptible
-from hetfair.errors import DistributedError, HetfairError, Interrupted, Preempted, first_line
+from hetfair.errors import DistributedError, HetfairError, Interrupted, JobWideError, Preempted, first_line
 
 STOP_GRACE_SECONDS = 2.0
 STOP_SIGNAL = signal.SIGUSR2
@@ -57,6 +57,8 @@ class WorkerReport:
     rank: int
     message: str
     exit_code: int
+    job_wide: bool = False
+    """The message is the job's (a :class:`~hetfair.errors.JobWideError`), not about this rank."""
 
 
 # -- inside a worker ---------------------------------------------------------------
@@ -105,7 +107,7 @@ def _worker_main(index: int, rank: int, channel: Connection, launcher_pid: int,
     except Preempted as exc:
         report = WorkerReport(rank, exc.detail, exc.exit_code)  # the launcher names the signal
     except HetfairError as exc:
-        report = WorkerReport(rank, str(exc).replace("\n", " "), exc.exit_code)
+        report = WorkerReport(rank, str(exc).replace("\n", " "), exc.exit_code, isinstance(exc, JobWideError))
     except KeyboardInterrupt:
         report = WorkerReport(rank, "interrupted", 130)
     except SystemExit as exc:
@@ -376,7 +378,7 @@ class _Watch:
             rank = self.first_rank + index
             report = self.reports.get(index)
             if report is not None and report.exit_code != 0:
-                error = DistributedError(f"[rank {rank}] {report.message}")
+                error = DistributedError(report.message if report.job_wide else f"[rank {rank}] {report.message}")
                 error.exit_code = report.exit_code
                 return error
             error = DistributedError(f"the process of rank {rank} {_describe_exit(code)}; the others were stopped")

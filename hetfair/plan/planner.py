@@ -19,7 +19,7 @@ from typing import Any, Callable, Optional, Sequence
 import torch
 from torch import nn
 
-from hetfair.errors import ConfigError
+from hetfair.errors import ConfigError, JobWideError
 from hetfair.memory.budget import device_budget, fractions_from_budgets
 from hetfair.memory.peak import current_bytes
 from hetfair.memory.sizes import format_size
@@ -259,7 +259,7 @@ def _refuse_too_small(rows: list[RankPlan], can_shard: bool) -> None:
     if not short:
         return
     row = rows[short[0]]
-    raise ConfigError(f"rank {short[0]} ({row.device}) cannot train even one sample within its memory budget "
+    raise JobWideError(f"rank {short[0]} ({row.device}) cannot train even one sample within its memory budget "
                       f"{_size(row.budget)} ({_what_one_sample_needs(row)}); "
                       f"{_remedies_for_one_sample(rows, short, can_shard)}")
 
