@@ -24,9 +24,10 @@ import torch.distributed as dist
 
 from helpers import TOY_PLUGIN, free_port, rank_flags, subprocess_env, train_command, worker_pids
 from hetfair.checkpoint import load_checkpoint
+from hetfair.launch.check_in import CheckIn, Signer
 from hetfair.launch.rendezvous import SECRET_ENV, StoreAddress, job_secret
 from hetfair.launch.user_secret import secret_directory, user_secret
-from hetfair.errors import ConfigError
+from hetfair.errors import ConfigError, DistributedError
 from hetfair_cli.train import main as train_main
 from test_signals_and_hangs import long_run, wait_for_line
 
@@ -223,3 +224,18 @@ def test_under_torchrun_a_store_other_machines_can_reach_needs_a_secret(tmp_path
     [line] = result.stderr.strip().splitlines()
     assert line.startswith("hetfair-train: error: the rendezvous at 203.0.113.5:29500 can be reached from other "
                            f"machines: give every node's command the same secret in the {SECRET_ENV}"), line
+
+
+def test_a_check_in_that_a_stalled_store_call_ends_still_points_at_the_secret():
+    """The launcher's deadline around the check-in (for a store call that never returns) ends with what the
+    check-in had seen: here rank 0's world size, signed with another secret."""
+    server = dist.TCPStore("127.0.0.1", 0, None, True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    server.set("hetfair/world_size", Signer(b"the job's secret").sign("hetfair/world_size", "2|0123456789abcdef"))
+    client = dist.TCPStore("127.0.0.1", server.port, None, False, timeout=timedelta(seconds=10))
+    guess = CheckIn(client, 1, 2, 1.0, b"a guess")
+    assert guess.stalled() == ("rank 1 did not finish the check-in within 1s: a call to the store did not return; "
+                               "check --distributed-init-method")
+    with pytest.raises(DistributedError, match="rank 0 did not check in"):
+        guess.wait()
+    assert guess.stalled().endswith(f"(the store holds check-in values not signed with this node's secret: give "
+                                    f"every node the same {SECRET_ENV})")

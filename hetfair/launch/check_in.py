@@ -55,8 +55,9 @@ class Signer:
         return hmac.new(self.secret, f"{key}\0{value}".encode(), hashlib.sha256).hexdigest()
 
 
-class _CheckIn:
-    """One rank's check-in: rank 0 publishes the world size and a nonce; everyone signs its arrival."""
+class CheckIn:
+    """One rank's check-in (:meth:`wait`): rank 0 publishes the world size and a nonce; everyone signs its
+    arrival; all ``world_size`` ranks must arrive and agree on the world size."""
 
     def __init__(self, store: dist.Store, rank: int, world_size: int, timeout: float,
                  secret: Optional[bytes]) -> None:
@@ -67,7 +68,22 @@ class _CheckIn:
         self.nonce = ""
         self.saw_unsigned = False
 
-    def run(self) -> None:
+    def wait(self) -> None:
+        """Check in; one error line when a rank differs, stays away past the timeout, or the store is lost."""
+        try:
+            self._run()
+        except (RuntimeError, OSError) as exc:  # the store's host (rank 0) went away
+            raise DistributedError(
+                f"rank {self.rank} lost the rendezvous store during the check-in ({first_line(exc)}); rank 0 "
+                f"stopped, see its message"
+            ) from exc
+
+    def stalled(self) -> str:
+        """Why a check-in that a store call kept from ending on time failed: what it had seen of the secret."""
+        return (f"rank {self.rank} did not finish the check-in within {self.timeout:.0f}s: a call to the store did "
+                f"not return; check --distributed-init-method{self._secret_hint()}")
+
+    def _run(self) -> None:
         if self.rank == 0:
             self.nonce = secrets.token_hex(8)
             self.store.set(_WORLD_SIZE_KEY, self.signer.sign(_WORLD_SIZE_KEY, f"{self.world_size}|{self.nonce}"))
@@ -135,14 +151,3 @@ class _CheckIn:
             return ""
         return (f" (the store holds check-in values not signed with this node's secret: give every node the same "
                 f"{SECRET_ENV})")
-
-
-def check_in(store: dist.Store, rank: int, world_size: int, timeout: float, secret: Optional[bytes]) -> None:
-    """Wait until all ``world_size`` ranks have arrived and agree on the world size."""
-    try:
-        _CheckIn(store, rank, world_size, timeout, secret).run()
-    except (RuntimeError, OSError) as exc:  # the store's host (rank 0) went away
-        raise DistributedError(
-            f"rank {rank} lost the rendezvous store during the check-in ({first_line(exc)}); rank 0 stopped, "
-            f"see its message"
-        ) from exc

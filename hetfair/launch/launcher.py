@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from hetfair.launch.agent_store import fresh_store, join_warning, uses_agent_store
 from hetfair.parallel.context import DistributedContext
-from hetfair.launch.check_in import check_in
+from hetfair.launch.check_in import CheckIn
 from hetfair.launch.per_process import check_counts, for_node, for_process
 from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded
 from hetfair.launch.network import GLOO_INTERFACE_ENV, choose_interface, use_interface
@@ -274,9 +274,11 @@ def _form_group(rank: int, backend: str, timeout: float, plan: LaunchPlan) -> No
                              f"{timeout:.0f}s; check that it is rank 0's address and that no other program "
                              f"listens there"):
             store = create_store(address, rank, plan.world_size, timeout)
+    checking_in = CheckIn(store, rank, plan.world_size, timeout, plan.secret)
+    with deadline(limit, checking_in.stalled):
+        checking_in.wait()
     with deadline(limit, f"rank {rank} checked in but the process group did not form within {timeout:.0f}s; "
                          f"{_interface_hint(plan)}"):
-        check_in(store, rank, plan.world_size, timeout, plan.secret)
         _init_process_group(backend, rank, plan, timeout, store=dist.PrefixStore("hetfair/pg", store))
 
 

@@ -81,9 +81,10 @@ def give_up(message: str, exit_code: int = 2) -> NoReturn:
 
 
 @contextmanager
-def deadline(seconds: float, message: str) -> Iterator[None]:
-    """Run the block; if it is not done after ``seconds``, :func:`give_up` with ``message``."""
-    timer = threading.Timer(seconds, give_up, args=(message,))
+def deadline(seconds: float, message: str | Callable[[], str]) -> Iterator[None]:
+    """Run the block; if it is not done after ``seconds``, :func:`give_up` with ``message`` (or what it returns
+    then, for a message that tells what the block had seen)."""
+    timer = threading.Timer(seconds, lambda: give_up(message if isinstance(message, str) else message()))
     timer.daemon = True
     timer.start()
     try:
