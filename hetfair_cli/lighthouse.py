@@ -3,14 +3,13 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 import threading
 from typing import Any, Sequence
 
 from hetfair.errors import ConfigError
-from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded
+from hetfair.launch.native_output import native_stderr_discarded, quiet_native_logs
 from hetfair_cli.errors import run_cli
 
 
@@ -42,7 +41,7 @@ def _main(argv: list[str]) -> int:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, on_signal)
     # the store's C++ warnings (a client address without a DNS name, a client gone) are no news here
-    with native_stderr_discarded(enabled=CPP_LOG_LEVEL_ENV not in os.environ):
+    with native_stderr_discarded(enabled=quiet_native_logs()):
         store = serve(args.port, args.host)
         print(f"lighthouse | listening on port {store.port} ({args.host})", file=sys.stderr, flush=True)
         stop.wait()

@@ -40,7 +40,7 @@ from hetfair.launch.agent_store import fresh_store, join_warning, uses_agent_sto
 from hetfair.parallel.context import DistributedContext
 from hetfair.launch.check_in import CheckIn
 from hetfair.launch.per_process import check_counts, for_node, for_process
-from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded
+from hetfair.launch.native_output import native_stderr_discarded, quiet_native_logs
 from hetfair.launch.network import GLOO_INTERFACE_ENV, choose_interface, use_interface
 from hetfair.launch.rendezvous import (
     check_store_directory,
@@ -249,7 +249,7 @@ def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan, device: 
     rank = plan.base_rank + index
     backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
     use_interface(plan.interface, device, override=args.distributed_interface is not None)
-    with native_stderr_discarded(enabled=not args.debug and CPP_LOG_LEVEL_ENV not in os.environ):
+    with native_stderr_discarded(enabled=quiet_native_logs(args.debug)):
         _form_group(rank, backend, args.distributed_timeout, plan)
     return DistributedContext(rank=rank, world_size=plan.world_size, local_rank=plan.local_rank_offset + index,
                               device=device)

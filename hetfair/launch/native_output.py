@@ -26,6 +26,12 @@ CPP_LOG_LEVEL_ENV = "TORCH_CPP_LOG_LEVEL"
 """The user's own choice of torch's C++ log level: whoever sets it wants to see those lines."""
 
 
+def quiet_native_logs(debug: bool = False) -> bool:
+    """Whether torch's C++ log lines are kept off the terminal: unless ``--debug`` or the user's own
+    :data:`CPP_LOG_LEVEL_ENV` asks for them."""
+    return not debug and CPP_LOG_LEVEL_ENV not in os.environ
+
+
 @contextmanager
 def native_stderr_discarded(enabled: bool = True) -> Iterator[None]:
     """Discard what C and C++ code writes to stderr inside the block (not Python's ``sys.stderr``)."""

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 from hetfair.errors import ConfigError, DistributedError, first_line
 from hetfair.launch.launcher import looks_like_lost_peer
-from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV, native_stderr_discarded, store_logs_filtered
+from hetfair.launch.native_output import native_stderr_discarded, quiet_native_logs, store_logs_filtered
 from hetfair.launch.network import choose_interface, use_interface
 from hetfair.launch.preemption import preemptible
 from hetfair.launch.rendezvous import StoreAddress, job_secret, parse_init_method, wait_until_reachable
@@ -91,8 +91,7 @@ def train_live(args: argparse.Namespace) -> None:
     device = _device(args)
     use_interface(choose_interface(args.distributed_interface, address), device,
                   override=args.distributed_interface is not None)
-    quiet = not args.debug and CPP_LOG_LEVEL_ENV not in os.environ
-    if quiet:
+    if quiet_native_logs(args.debug):
         store_logs_filtered()  # a store's C++ log records, as the tcp:// path discards the rendezvous's
     wait_until_reachable(address, args.distributed_timeout, "could not reach the lighthouse",
                          f"start it first (hetfair-lighthouse --host {address.host} --port {address.port}, on that "
@@ -171,7 +170,7 @@ def _form_group(group: Group, membership: Membership, args: argparse.Namespace,
                 device: torch.device) -> DistributedContext:
     """The round's default process group, its collectives timing out after ``--live-timeout``."""
     backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
-    with native_stderr_discarded(enabled=not args.debug and CPP_LOG_LEVEL_ENV not in os.environ):
+    with native_stderr_discarded(enabled=quiet_native_logs(args.debug)):
         dist.init_process_group(backend, store=dist.PrefixStore(f"r{group.round}/pg", membership.store),
                                 rank=group.rank, world_size=group.world_size,
                                 timeout=timedelta(seconds=args.live_timeout))
