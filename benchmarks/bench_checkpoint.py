@@ -25,10 +25,10 @@ import torch
 
 from bench_bert import prepare_data
 from common import REPO_ROOT, Samples, clocked_run, machine_note, print_table, subprocess_env
-from hetfair.checkpoint import CheckpointConfig, Checkpointer
+from hetfair.checkpoint.layout import CheckpointConfig, Checkpointer
 from hetfair.parallel.context import DistributedContext
 from hetfair.options import parse_train_args
-from hetfair.training import TrainingRun
+from hetfair.run.training import TrainingRun
 
 SAVE_EVERY = 20
 VARIANTS = {

@@ -40,7 +40,7 @@ from bench_bert import fixed_batches, prepare_data, train_flags  # noqa: E402
 
 from hetfair.parallel.context import DistributedContext  # noqa: E402
 from hetfair.options import parse_train_args  # noqa: E402
-from hetfair.precision import LossScaleConfig, LossScaler  # noqa: E402
+from hetfair.precision.mixed import LossScaleConfig, LossScaler  # noqa: E402
 from hetfair.tasks import TASK_REGISTRY  # noqa: E402
 from hetfair.trainer import Trainer  # noqa: E402
 

@@ -56,7 +56,7 @@ from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.uneven_sharded import UnevenShardedStrategy
 from hetfair.plan.probe import MicroBatchProbe
 from hetfair.optim import LRScheduler
-from hetfair.precision import PRECISIONS, LossScaleConfig, LossScaler
+from hetfair.precision.mixed import PRECISIONS, LossScaleConfig, LossScaler
 from hetfair.trainer import Trainer, TrainerConfig
 
 ARCHS = {"bert_tiny": bert_tiny, "bert_mini": bert_mini, "bert_small": bert_small, "bert_base": bert_base,

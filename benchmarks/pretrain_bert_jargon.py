@@ -30,7 +30,7 @@ from hetfair.data.indexed_dataset import IndexedDataset
 from hetfair.parallel.context import DistributedContext
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY
-from hetfair.validation import Validator
+from hetfair.run.validation import Validator
 from hetfair_cli.preprocess import main as preprocess_main
 
 JARGON = Path("/usr/share/doc/jargon-text/jargon.txt.gz")

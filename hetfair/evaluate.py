@@ -15,7 +15,7 @@ import torch
 
 from hetfair.parallel.context import DistributedContext
 from hetfair.pretrained import load_model
-from hetfair.validation import Validator
+from hetfair.run.validation import Validator
 
 
 def evaluate_checkpoint(path: Path, subsets: Sequence[str], overrides: dict[str, Any],

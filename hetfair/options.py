@@ -27,7 +27,7 @@ from hetfair.parallel import (COMM_HOOK_FLAGS, COMM_HOOKS, STRATEGY_REGISTRY, ZE
 from hetfair.plugins import import_user_dir
 from hetfair.memory.sizes import format_size, parse_size
 from hetfair.plan import AUTO
-from hetfair.precision import parse_precision
+from hetfair.precision.mixed import parse_precision
 from hetfair.tasks import TASK_REGISTRY
 from hetfair.utils import DefaultsHelpFormatter, absolute_path
 
@@ -527,7 +527,7 @@ def validate_args(args: argparse.Namespace, parser: argparse.ArgumentParser, arg
     which flags were given, for :func:`check_owned_flags`).
 
     What a run needs beyond valid values (an end, writable directories, the restore file) is
-    :func:`hetfair.training.check_before_start`; the ranks' agreement is checked when they meet.
+    :func:`hetfair.run.training.check_before_start`; the ranks' agreement is checked when they meet.
     """
     if args.max_sentences is None and args.max_tokens is None:
         raise ConfigError("give a batch size: --max-sentences N (samples per process) or --max-tokens N")

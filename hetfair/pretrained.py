@@ -10,7 +10,7 @@ from typing import Any, Optional, Sequence
 import torch
 from torch import nn
 
-from hetfair.checkpoint import load_checkpoint, model_weights, stored_config
+from hetfair.checkpoint.layout import load_checkpoint, model_weights, stored_config
 from hetfair.criteria import HetfairCriterion
 from hetfair.errors import (
     CheckpointError,

@@ -15,7 +15,7 @@ optimizers not even that: the fused step divides each gradient by its
 ``grad_scale`` as it reads it, the protocol ``torch.amp.GradScaler`` uses, and
 leaves the gradients normalised.
 
-Mixed precision (:mod:`hetfair.precision`) leaves that math alone: each process
+Mixed precision (:mod:`hetfair.precision.mixed`) leaves that math alone: each process
 runs forward and loss under its own autocast, parameters and gradients stay fp32.
 When any rank runs fp16, every rank multiplies its summed loss by the job's loss
 scale ``S`` before backward, and the normalisation multiplies by
@@ -51,7 +51,7 @@ from hetfair.models import HetfairModel
 from hetfair.models.activation_checkpointing import checkpoint_units
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY, LRScheduler
 from hetfair.parallel import ParallelConfig, Strategy, build_strategy
-from hetfair.precision import LossScaler, autocast
+from hetfair.precision.mixed import LossScaler, autocast
 from hetfair.utils import derived_seed, move_to_device, state_dict_mismatch
 
 
@@ -157,9 +157,9 @@ class Trainer:
                   loss_scaler: Optional[LossScaler] = None, parallel: Optional[ParallelConfig] = None) -> "Trainer":
         """The trainer of ``args``: its ``--ddp-backend`` strategy, ``--optimizer`` (built by the strategy),
         ``--lr-scheduler`` and ``--precision``, with the job's ``loss_scaler`` (see
-        :func:`hetfair.precision.job_loss_scaler`). The ranks must have agreed on their settings already
-        (:mod:`hetfair.startup`): the strategies' collectives differ. ``parallel``: the job's parallelism as the
-        start-up exchange completed it (:mod:`hetfair.memory_plan`; default: the flags' own)."""
+        :func:`hetfair.precision.mixed.job_loss_scaler`). The ranks must have agreed on their settings already
+        (:mod:`hetfair.run.startup`): the strategies' collectives differ. ``parallel``: the job's parallelism as the
+        start-up exchange completed it (:mod:`hetfair.memory.plan`; default: the flags' own)."""
         recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
         strategy = build_strategy(parallel or ParallelConfig.from_args(args), context)
         return cls(

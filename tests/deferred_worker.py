@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hetfair.checkpoint import load_checkpoint, model_weights
+from hetfair.checkpoint.layout import load_checkpoint, model_weights
 from hetfair.memory.peak import current_bytes, peak_bytes, reset_peak
 from hetfair.models.deferred_init import build_deferred
 from hetfair.parallel import ParallelConfig, build_strategy

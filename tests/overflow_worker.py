@@ -17,8 +17,8 @@ import torch.distributed as dist
 from helpers import TOY_PLUGIN
 from hetfair.parallel.context import DistributedContext
 from hetfair.options import parse_train_args
-from hetfair.precision import LossScaleConfig, job_loss_scaler
-from hetfair.startup import LOSS_SCALE, RankFacts, agree_at_start_up
+from hetfair.precision.mixed import LossScaleConfig, job_loss_scaler
+from hetfair.run.startup import LOSS_SCALE, RankFacts, agree_at_start_up
 from hetfair.tasks import TASK_REGISTRY
 from hetfair.trainer import Trainer
 

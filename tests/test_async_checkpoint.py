@@ -15,10 +15,10 @@ from typing import Any
 import pytest
 import torch
 
-import hetfair.checkpoint
+import hetfair.checkpoint.layout
 from helpers import TOY_PLUGIN, start
-from hetfair.checkpoint import CheckpointConfig, Checkpointer, load_checkpoint
-from hetfair.checkpoint_writer import CheckpointWriter, host_snapshot
+from hetfair.checkpoint.layout import CheckpointConfig, Checkpointer, load_checkpoint
+from hetfair.checkpoint.writer import CheckpointWriter, host_snapshot
 from hetfair.errors import CheckpointError
 from hetfair_cli.train import main as train_main
 
@@ -57,7 +57,7 @@ def slow_disk(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
         assert release.wait(timeout=60)
         original(state, path, *how)
 
-    monkeypatch.setattr(hetfair.checkpoint, "atomic_save", held_back)
+    monkeypatch.setattr(hetfair.checkpoint.layout, "atomic_save", held_back)
     return release
 
 

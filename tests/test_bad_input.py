@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from helpers import TOY_PLUGIN
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.options import build_parser, flag_owners
 from hetfair_cli.export import main as export_main
 from hetfair_cli.train import main as train_main

@@ -19,8 +19,8 @@ from hetfair.errors import ConfigError, DataError
 from hetfair.optim import LR_SCHEDULER_REGISTRY
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY
-from hetfair.run_config import DataConfig
-from hetfair.training import local_capacity
+from hetfair.run.config import DataConfig
+from hetfair.run.training import local_capacity
 from hetfair_cli.train import main as train_main
 
 

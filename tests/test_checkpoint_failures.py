@@ -14,9 +14,9 @@ from typing import Callable, Iterator
 import pytest
 import torch
 
-import hetfair.checkpoint
+import hetfair.checkpoint.layout
 from helpers import TOY_PLUGIN, subprocess_env, train_command
-from hetfair.checkpoint import CheckpointConfig, Checkpointer, atomic_copy, atomic_save, load_checkpoint
+from hetfair.checkpoint.layout import CheckpointConfig, Checkpointer, atomic_copy, atomic_save, load_checkpoint
 from hetfair.errors import CheckpointError, Interrupted
 from hetfair_cli.train import main as train_main
 

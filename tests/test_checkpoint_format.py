@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from helpers import TOY_PLUGIN, final_parameters
-from hetfair.checkpoint import FORMAT_VERSION, CheckpointConfig, Checkpointer, atomic_save, load_checkpoint
+from hetfair.checkpoint.layout import FORMAT_VERSION, CheckpointConfig, Checkpointer, atomic_save, load_checkpoint
 from hetfair.errors import CheckpointError
 from hetfair_cli.train import main as train_main
 

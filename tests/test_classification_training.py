@@ -20,7 +20,7 @@ from helpers import final_parameters, free_port, node_commands, run_nodes
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 import hetfair
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY
 from hetfair_cli.export import main as export_main

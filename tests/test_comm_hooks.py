@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import TOY_PLUGIN, final_parameters, free_port, rank_flags, run_nodes, subprocess_env, train_command
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.launch.rendezvous import SECRET_ENV
 from hetfair.parallel.comm_advice import BOUND_RATIO, CommAdvisor, LinkMeasurement, advise
 from hetfair_cli.train import main as train_main

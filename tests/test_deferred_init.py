@@ -23,7 +23,7 @@ from toy_reference import toy_train_args
 from hetfair.bert.config import BertConfig
 from hetfair.bert.model import BertModel, bert_tiny
 from hetfair.bert.tokenizer import read_vocab_file
-from hetfair.checkpoint import FORMAT_VERSION, TRAINER
+from hetfair.checkpoint.layout import FORMAT_VERSION, TRAINER
 from hetfair.classification.bert_classifier import BertClassifier
 from hetfair.lm.config import LMConfig
 from hetfair.lm.model import TransformerLM, gpt_tiny

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from hetfair.balance import BalanceConfig, LoadBalancer
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.data.batch_plan import BatchPlan
 from hetfair.data.update_shape import UpdateShape
 from hetfair.launch.launcher import gpu_index, plan_launch
@@ -27,8 +27,8 @@ from hetfair.parallel.stats import UpdateResult
 from hetfair.errors import ConfigError
 from hetfair.logging.meters import IntervalStats
 from hetfair.options import parse_train_args
-from hetfair.run_config import DataConfig
-from hetfair.training import resumed_shape
+from hetfair.run.config import DataConfig
+from hetfair.run.training import resumed_shape
 from hetfair_cli.train import main as train_main
 from helpers import TOY_PLUGIN, final_parameters, run_nodes
 from toy_reference import TRAIN_SIZE, assert_same, reference_parameters, toy_train_args

@@ -120,8 +120,8 @@ def test_a_few_updates_fit_the_data():
     assert epoch_loss(train=False) < 0.05 * before
 
 
-@pytest.mark.skipif(importlib.util.find_spec("hetfair.training") is None,
-                    reason="hetfair.training (the trainer) does not exist yet")
+@pytest.mark.skipif(importlib.util.find_spec("hetfair.run.training") is None,
+                    reason="hetfair.run.training (the trainer) does not exist yet")
 def test_trains_end_to_end_from_the_command_line(tmp_path):
     result = run_train("--task", "example_regression", "--max-epoch", "1", "--no-save", "--cpu",
                        "--num-samples", "64", "--log-format", "simple", "--save-dir", str(tmp_path / "ckpt"),

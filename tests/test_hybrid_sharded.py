@@ -18,7 +18,7 @@ from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, rank
 from hetfair.errors import ConfigError
 from hetfair.parallel import ParallelConfig
 from hetfair.parallel.nodes import node_layout
-from hetfair.startup import PARALLELISM, RankFacts, check_agreement
+from hetfair.run.startup import PARALLELISM, RankFacts, check_agreement
 from hetfair_cli.train import main as train_main
 from multi_host import finish, node_env
 from toy_reference import assert_same, reference_parameters, toy_train_args

@@ -27,13 +27,13 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair",),  # the public API: hetfair.register_*, hetfair.load_model (imported lazily)
     ("hetfair.lm.generate",),  # sampling from a checkpoint (hetfair.load_model) of the lm family
     ("hetfair.live",),  # live recovery: a training loop per membership round
-    ("hetfair.training", "hetfair.evaluate", "hetfair.pretrained"),  # the training loop, hetfair-validate's program
-    ("hetfair.checkpoint", "hetfair.checkpoint_writer", "hetfair.trainer", "hetfair.validation",
-     "hetfair.run_state", "hetfair.startup", "hetfair.run_config", "hetfair.memory_plan",
-     "hetfair.memory_table"),  # their parts
+    ("hetfair.run", "hetfair.evaluate", "hetfair.pretrained"),  # the training loop, hetfair-validate's program
+    ("hetfair.checkpoint", "hetfair.trainer", "hetfair.run.validation",
+     "hetfair.run.state", "hetfair.run.startup", "hetfair.run.config", "hetfair.memory.plan",
+     "hetfair.memory.table"),  # their parts
     ("hetfair.balance", "hetfair.logging", "hetfair.data"),  # engine services
     ("hetfair.options", "hetfair.inventory"),  # the command line's options, --list-plugins
-    ("hetfair.plan",),  # the automatic per-device plan: probed micro-batches, precision, backend
+    ("hetfair.plan", "hetfair.precision.auto"),  # the automatic per-device plan: probed micro-batches, precision, backend
     ("hetfair.bert", "hetfair.lm", "hetfair.hf_encoder"),  # hetfair's own plugin families (see PLUGIN_FAMILIES)
     ("hetfair.tasks",),  # the Task base class
     ("hetfair.models", "hetfair.criteria", "hetfair.optim"),  # component base classes and registries

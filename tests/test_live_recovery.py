@@ -23,7 +23,7 @@ from typing import Iterator
 import pytest
 
 from helpers import final_parameters, subprocess_env, train_command
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair_cli.train import main as train_main
 from test_mnist_plugin import needs_fashion_mnist
 from test_readme_recipes import assert_both_succeeded, checkout, page_block, run_pair, two_nodes  # noqa: F401

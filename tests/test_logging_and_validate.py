@@ -21,9 +21,9 @@ from tensorboard.backend.event_processing.event_accumulator import TENSORS, Even
 from tensorboard.plugins.custom_scalar import layout_pb2
 
 from helpers import TOY_PLUGIN
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.logging.progress import Progress, format_metric, format_metrics
-from hetfair.training import TrainingRun
+from hetfair.run.training import TrainingRun
 from hetfair_cli.train import main as train_main
 from hetfair_cli.validate import main as validate_main
 

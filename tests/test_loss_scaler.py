@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from hetfair.errors import DivergenceError
-from hetfair.precision import LossScaleConfig, LossScaler, autocast
+from hetfair.precision.mixed import LossScaleConfig, LossScaler, autocast
 
 
 def scaler(**config: float) -> LossScaler:

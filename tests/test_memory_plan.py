@@ -16,7 +16,7 @@ import pytest
 from helpers import REPO_ROOT, TOY_PLUGIN, run_nodes
 from hetfair.errors import ConfigError
 from hetfair.memory.sizes import parse_size
-from hetfair.memory_plan import StateSize, check_fit, complete_parallel_config
+from hetfair.memory.plan import StateSize, check_fit, complete_parallel_config
 from hetfair.plan.state import optimizer_state_ratio
 from hetfair.optim import OPTIMIZER_REGISTRY
 from hetfair.parallel import ParallelConfig

@@ -25,12 +25,12 @@ import overflow_worker
 from amp_reference import PLUGIN_DIR, Params, bert_reference, change_error, mnist_reference
 from bert_helpers import make_data_dir
 from helpers import TOY_PLUGIN, final_parameters, free_port, run_nodes
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.parallel.context import DistributedContext
 from hetfair.logging.meters import IntervalStats
 from hetfair.options import parse_train_args
 from hetfair.plugins import import_user_dir
-from hetfair.precision import LossScaleConfig, LossScaler, autocast
+from hetfair.precision.mixed import LossScaleConfig, LossScaler, autocast
 from hetfair.tasks import TASK_REGISTRY
 from hetfair.trainer import Trainer
 from hetfair_cli.train import main as train_main

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, rank_flags, run_nodes, train_command
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair_cli.train import main as train_main
 from multi_host import finish, node_env
 from toy_plugin import Blobs, ToyMLP

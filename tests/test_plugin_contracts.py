@@ -8,7 +8,7 @@ import re
 import pytest
 
 from helpers import REPO_ROOT, TOY_PLUGIN
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.plugins import import_user_dir
 from hetfair_cli.train import main as train_main
 

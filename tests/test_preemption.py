@@ -14,7 +14,7 @@ import torch
 
 import agreement_worker
 from helpers import TOY_PLUGIN, final_parameters, free_port, is_running, start, worker_pids
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.launch import preemption
 from hetfair.launch.launcher import launch
 from hetfair.options import parse_train_args

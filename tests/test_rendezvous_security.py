@@ -23,7 +23,7 @@ import pytest
 import torch.distributed as dist
 
 from helpers import TOY_PLUGIN, free_port, rank_flags, subprocess_env, train_command, worker_pids
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.launch.check_in import CheckIn, Signer
 from hetfair.launch.rendezvous import SECRET_ENV, StoreAddress, job_secret
 from hetfair.launch.user_secret import secret_directory, user_secret

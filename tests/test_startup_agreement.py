@@ -6,7 +6,7 @@ import pytest
 
 from helpers import free_port, rank_flags, run_nodes
 from hetfair.errors import ConfigError
-from hetfair.startup import LOSS_SCALE, PARALLELISM, RankFacts, check_agreement
+from hetfair.run.startup import LOSS_SCALE, PARALLELISM, RankFacts, check_agreement
 from toy_reference import toy_train_args
 
 SHARDING = {"--ddp-backend": "c10d", "--zero-sharding": "none", "--zero-shard-weights": None}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from helpers import TOY_PLUGIN, final_parameters, subprocess_env, train_command
-from hetfair.checkpoint import atomic_save, load_checkpoint
+from hetfair.checkpoint.layout import atomic_save, load_checkpoint
 from hetfair.errors import CheckpointError, first_line
 from hetfair.utils import state_dict_mismatch
 from hetfair_cli.train import main as train_main
@@ -110,7 +110,7 @@ def test_killed_writer_never_leaves_a_torn_checkpoint(tmp_path):
     writer = (
         "import sys, torch\n"
         "from pathlib import Path\n"
-        "from hetfair.checkpoint import atomic_save\n"
+        "from hetfair.checkpoint.layout import atomic_save\n"
         "big = torch.randn(8_000_000)\n"
         "for step in range(1, 1000):\n"
         "    atomic_save({'format_version': 1, 'trainer': {'step': step, 'big': big}}, Path(sys.argv[1]))\n"

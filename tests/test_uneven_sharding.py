@@ -17,13 +17,13 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from helpers import final_parameters, free_port, node_commands, rank_flags, run_nodes
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.errors import ConfigError
 from hetfair.parallel import ParallelConfig, Strategy, build_strategy
 from hetfair.parallel.context import DistributedContext
 from hetfair.models.deferred_init import build_deferred
 from hetfair.parallel.fully_sharded import unit_bytes
-from hetfair.parallel.uneven_shards import UnevenShardedModel, shard_bounds
+from hetfair.parallel.uneven_engine import UnevenShardedModel, shard_bounds
 from hetfair_cli.train import main as train_main
 from hetfair.launch.supervisor import run_workers
 from test_zero_sharding import ADAM, adam_reference, assert_same_optimizer_state

@@ -17,7 +17,7 @@ import pytest
 from helpers import TOY_PLUGIN, LoopbackListener, subprocess_env
 from test_mnist_plugin import PLUGIN_DIR, write_mnist_dir
 from hetfair import load_model
-from hetfair.checkpoint import atomic_save, load_checkpoint
+from hetfair.checkpoint.layout import atomic_save, load_checkpoint
 from hetfair_cli.train import main as train_main
 from hetfair_cli.validate import main as validate_main
 

@@ -20,9 +20,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from helpers import final_parameters, free_port, rank_flags, run_nodes
-from hetfair.checkpoint import load_checkpoint
+from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.parallel.context import DistributedContext
-from hetfair.parallel.zero import full_state_dict, optimizer_state_bytes, parse_shard_weights
+from hetfair.parallel.zero_sharding import full_state_dict, optimizer_state_bytes, parse_shard_weights
 from hetfair.parallel.zero_optimizer import ShardedOptimizer, weighted_partition
 from hetfair.errors import ConfigError
 from hetfair_cli.train import main as train_main

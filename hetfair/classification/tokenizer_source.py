@@ -17,7 +17,7 @@ from typing import Any, Optional
 
 from hetfair.bert.data_dir import destdir_tokenizer_spec
 from hetfair.bert.tokenizer import spec_for_file
-from hetfair.checkpoint import load_checkpoint, stored_config
+from hetfair.checkpoint.layout import load_checkpoint, stored_config
 from hetfair.classification.tokenization import folder_config, model_max_length, tokenizer_file
 from hetfair.errors import ConfigError
 

@@ -37,7 +37,7 @@ HEARTBEAT_SECONDS = 0.25
 STALE_SECONDS = 2.0
 """A member whose counter has not moved for this long (or ``--live-timeout``, if shorter) is dropped from a round."""
 _POLL_SECONDS = 0.02  # how often a waiting process reads the round's keys
-Progress = tuple[int, int, int]
+RoundProgress = tuple[int, int, int]
 """A member's training progress: (epoch, samples done in it, updates); the largest holds the newest state."""
 
 
@@ -56,7 +56,7 @@ class JobEnded(HetfairError):
 @dataclass(frozen=True)
 class Member:
     uid: str
-    progress: Optional[Progress]
+    progress: Optional[RoundProgress]
     """``None``: a process without training state (a new one)."""
 
 
@@ -164,7 +164,7 @@ class Membership:
         self.heartbeat.close()
 
     # -- rounds -------------------------------------------------------------------------------
-    def next_group(self, progress: Optional[Progress]) -> Group:
+    def next_group(self, progress: Optional[RoundProgress]) -> Group:
         """Arrive in the next round with ``progress`` and return its group once closed (this process in it)."""
         try:
             return self._next_group(progress)
@@ -172,7 +172,7 @@ class Membership:
             raise DistributedError(f"lost the lighthouse while agreeing on the members ({first_line(exc)}); start a "
                                    f"new lighthouse and the same commands to resume from the last checkpoint") from exc
 
-    def _next_group(self, progress: Optional[Progress]) -> Group:
+    def _next_group(self, progress: Optional[RoundProgress]) -> Group:
         latest = int(self.records.get("latest") or 0)
         number = max(latest, self.group.round if self.group else 0) + 1
         self._arrive(number, progress)
@@ -202,7 +202,7 @@ class Membership:
                         f"{self.group.round} (no answer for --live-timeout {self.live_timeout:g}s), and the others "
                         f"finished and saved the run; start a new lighthouse for a new run")
 
-    def _arrive(self, number: int, progress: Optional[Progress]) -> None:
+    def _arrive(self, number: int, progress: Optional[RoundProgress]) -> None:
         self.records.set(f"r{number}/info/{self.uid}", json.dumps({"progress": progress}))
         index = self.records.add(f"r{number}/arrived", 1)
         self.records.set(f"r{number}/uid/{index}", self.uid)

@@ -1,7 +1,7 @@
 """``--fault-tolerance live``: one process trains through membership changes without a restart.
 
 Each membership round (:mod:`hetfair.live.membership`) gets a new default process group under its own
-store prefix, and a new :class:`~hetfair.training.TrainingRun` on it (in this process: no restart, no
+store prefix, and a new :class:`~hetfair.run.training.TrainingRun` on it (in this process: no restart, no
 checkpoint read). What carries over is the run's in-memory state, :meth:`Checkpointer.state`:
 parameters, optimizer state, schedule, data position, loss scale, balancer, clock. A rank whose state
 is not the newest (a joiner, or a survivor that had not finished the update the others finished) gets
@@ -42,15 +42,15 @@ from hetfair.launch.native_output import native_stderr_discarded, quiet_native_l
 from hetfair.launch.network import choose_interface, use_interface
 from hetfair.launch.preemption import preemptible
 from hetfair.launch.rendezvous import StoreAddress, job_secret, parse_init_method, wait_until_reachable
-from hetfair.live.membership import Group, Membership, Progress, say
+from hetfair.live.membership import Group, Membership, RoundProgress, say
 from hetfair.live.records import JobRecords
 from hetfair.live.state_transfer import broadcast_state
-from hetfair.logging.progress import Progress as ProgressOutput
+from hetfair.logging.progress import Progress
 from hetfair.parallel import ParallelConfig
 from hetfair.parallel.collectives import comm_device
 from hetfair.parallel.context import DistributedContext
 from hetfair.plugins import import_user_dir
-from hetfair.training import Regroup, TrainingRun
+from hetfair.run.training import Regroup, TrainingRun
 
 REFUSED_BACKENDS = {
     "fully_sharded": "a lost rank's parameter shards cannot be rebuilt from the others",
@@ -140,7 +140,7 @@ def _train_rounds(args: argparse.Namespace, membership: Membership, device: torc
                     membership.finish()  # the job has ended: a process that comes later must not train on
                 _save_and_stop(args, context, state, f"lost a majority of the ranks ({group.survivors} of "
                                                      f"{group.previous_size} came back in round {group.round})")
-            output = ProgressOutput(args.log_format, enabled=context.is_master)
+            output = Progress(args.log_format, enabled=context.is_master)
             with output.showing_log_records():
                 run = TrainingRun(args, context, output, resume_state=state, regroup_wanted=membership.regroup_wanted)
                 run.run()
@@ -201,7 +201,7 @@ def _save_and_stop(args: argparse.Namespace, context: DistributedContext, state:
                    why: str) -> None:
     """Save ``state`` as ``checkpoint_last.pt`` (rank 0 of the group writes it; every rank holds the same state)
     and end with one line."""
-    run = TrainingRun(args, context, ProgressOutput("none", enabled=False), resume_state=state)
+    run = TrainingRun(args, context, Progress("none", enabled=False), resume_state=state)
     checkpointer = run.checkpointer
     checkpointer.save(run.position.epoch, run.trainer.num_updates, end_of_epoch=False, valid_metric=None)
     checkpointer.close()
@@ -218,7 +218,7 @@ def _on_any_rank(flag: bool, device: torch.device) -> bool:
     return bool(value.item())
 
 
-def _progress(state: Optional[dict[str, Any]]) -> Optional[Progress]:
+def _progress(state: Optional[dict[str, Any]]) -> Optional[RoundProgress]:
     if state is None:
         return None
     return int(state["position"]["epoch"]), int(state["position"]["samples_done"]), int(state["trainer"]["num_updates"])

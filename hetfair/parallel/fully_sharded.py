@@ -3,7 +3,7 @@
 Each rank holds a shard of every gradient, so it normalises its shards in place,
 the ranks agree on an overflow in one small all-reduce, and the global norm is a
 collective. The model and optimizer state are gathered to the master in the plain
-format of any other run (:mod:`hetfair.parallel.fsdp`), so checkpoints move freely.
+format of any other run (:mod:`hetfair.parallel.fsdp2_engine`), so checkpoints move freely.
 ``--reduce-dtype bf16`` reduce-scatters the gradients in bf16 (gloo reduces bf16 on the
 CPU, NCCL on GPUs).
 """
@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 
 def _fsdp() -> ModuleType:
-    from hetfair.parallel import fsdp  # torch's FSDP and distributed checkpoint: imported only when used
+    from hetfair.parallel import fsdp2_engine as fsdp  # torch's FSDP and distributed checkpoint: imported only when used
 
     return fsdp
 

@@ -56,7 +56,7 @@ class HybridShardedStrategy(FullyShardedStrategy):
                               f"give a divisor of --distributed-world-size")
 
     def device_mesh(self) -> Optional["DeviceMesh"]:
-        from hetfair.parallel import fsdp  # torch's FSDP: imported only when used
+        from hetfair.parallel import fsdp2_engine as fsdp  # torch's FSDP: imported only when used
 
         size = self.config.shard_group_size
         self.layout = (rank_blocks(self.context.world_size, size) if size is not None

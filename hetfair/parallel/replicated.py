@@ -1,7 +1,7 @@
 """``--ddp-backend c10d``: every rank holds the whole model; DDP all-reduces the gradients.
 
 With ``--zero-sharding os`` the optimizer state is sharded (ZeRO stage 1,
-:mod:`hetfair.parallel.zero`): only the optimizer changes, gradients stay full
+:mod:`hetfair.parallel.zero_sharding`): only the optimizer changes, gradients stay full
 and identical on every rank, so normalising, clipping and overflows need no
 communication of their own. ``--ddp-comm-hook`` puts one of torch's communication
 hooks on DDP (:mod:`hetfair.parallel.comm_hooks`): the gradients it leaves are still
@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from hetfair.parallel import zero
+from hetfair.parallel import zero_sharding as zero
 from hetfair.parallel import register_strategy
 from hetfair.parallel.comm_hooks import GradientComm
 from hetfair.parallel.config import ParallelConfig

@@ -2,7 +2,7 @@
 
 The same mode as :mod:`hetfair.parallel.fully_sharded` (gradients sharded, so each rank
 normalises its own shards, the ranks agree on an overflow, the clipping norm is a
-collective), on hetfair's own engine (:mod:`hetfair.parallel.uneven_shards`) instead of
+collective), on hetfair's own engine (:mod:`hetfair.parallel.uneven_engine`) instead of
 FSDP2, which shards only evenly. Any ``--shard-fractions``, equal ones included, picks
 this engine; without them the job runs on FSDP2. Gradients are reduce-scattered (summed)
 in every micro-batch's backward, so a rank never holds more than its shards of them;
@@ -29,7 +29,7 @@ from hetfair.parallel.collectives import all_gather_ints
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.sharded_gradients import REDUCE_DTYPES, ShardedGradientsStrategy
-from hetfair.parallel.uneven_shards import UnevenShardedModel, gather_param
+from hetfair.parallel.uneven_engine import UnevenShardedModel, gather_param
 
 
 class UnevenShardedStrategy(ShardedGradientsStrategy):

@@ -36,7 +36,7 @@ from torch import nn
 from torch.utils.data import Dataset
 
 from hetfair.memory.peak import peak_bytes, reset_peak
-from hetfair.precision import autocast
+from hetfair.precision.mixed import autocast
 from hetfair.utils import move_to_device
 
 SEARCH_PRECISION = 0.01

@@ -2,7 +2,7 @@
 
 A rank's share of the *batch* (``--max-sentences``, auto-balance) decides its speed; its
 share of the *state* (parameters, gradients, optimizer state) decides its memory. Every
-rank's budget is known from the start-up exchange (:mod:`hetfair.startup`), so every rank
+rank's budget is known from the start-up exchange (:mod:`hetfair.run.startup`), so every rank
 completes the :class:`ParallelConfig` the same way and runs the same fit check, which
 fails on every rank alike (no rank waits in a collective for one that gave up).
 """

@@ -13,7 +13,7 @@ fused op that applies ``world_size / total_sample_size`` and looks for inf/NaN.
 Every rank holds the same reduced gradients, so all see an overflow together,
 skip the same update and change ``S`` the same way (:class:`LossScaler`) with no
 extra collective. The ranks check at start-up that they were given the same loss-scaling
-flags (:mod:`hetfair.startup`, with :meth:`LossScaleConfig.shared_settings`).
+flags (:mod:`hetfair.run.startup`, with :meth:`LossScaleConfig.shared_settings`).
 """
 
 from __future__ import annotations

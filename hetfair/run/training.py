@@ -13,7 +13,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from hetfair.balance import LoadBalancer
-from hetfair.checkpoint import CheckpointConfig, Checkpointer, Stateful
+from hetfair.checkpoint.layout import CheckpointConfig, Checkpointer, Stateful
 from hetfair.criteria.fit import check_criterion_fits
 from hetfair.data.epoch_updates import EpochSchedule, EpochUpdates, Update
 from hetfair.data.batch_plan import split_counts
@@ -32,25 +32,25 @@ from hetfair.logging.meters import IntervalStats, Stopwatch
 from hetfair.logging.progress import Progress, format_metric
 from hetfair.logging.tensorboard import TensorBoardLogger
 from hetfair.memory.budget import device_budget
-from hetfair.memory_plan import StateSize, check_fit, complete_parallel_config
-from hetfair.memory_table import FirstUpdateMemory, gather_rows, over_budget_lines, table_lines
+from hetfair.memory.plan import StateSize, check_fit, complete_parallel_config
+from hetfair.memory.table import FirstUpdateMemory, gather_rows, over_budget_lines, table_lines
 from hetfair.models import HetfairModel
 from hetfair.optim import OPTIMIZER_REGISTRY
 from hetfair.optim.lr_scheduler.schedule_length import schedule_length_warning
 from hetfair.options import plain_config
 from hetfair.plan.planner import JobPlan, PlanPart, Planner, plan_probes
-from hetfair.plan.precision import resolved_precision
+from hetfair.precision.auto import resolved_precision
 from hetfair.plan.probe import longest_sample_batches
 from hetfair.plan.state import optimizer_state_ratio, parameter_bytes
-from hetfair.precision import job_loss_scaler
+from hetfair.precision.mixed import job_loss_scaler
 from hetfair.rng import RngState, seed_everything
-from hetfair.run_config import DataConfig, LoopConfig, RunConfig
-from hetfair.run_state import BalancerPart, BatchPart, Position, TrainingClock
-from hetfair.startup import LOSS_SCALE, PARALLELISM, JobFacts, RankFacts, agree_at_start_up
+from hetfair.run.config import DataConfig, LoopConfig, RunConfig
+from hetfair.run.state import BalancerPart, BatchPart, Position, TrainingClock
+from hetfair.run.startup import LOSS_SCALE, PARALLELISM, JobFacts, RankFacts, agree_at_start_up
 from hetfair.tasks import TASK_REGISTRY, Task
 from hetfair.trainer import Trainer
 from hetfair.utils import check_output_dir, move_to_device
-from hetfair.validation import Validator
+from hetfair.run.validation import Validator
 
 
 def local_capacity(data: DataConfig, task: Task, max_sentences: Optional[int]) -> int:

@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from typing import Optional
 
 from hetfair.balance import BalanceConfig
-from hetfair.checkpoint import CheckpointConfig
+from hetfair.checkpoint.layout import CheckpointConfig
 from hetfair.parallel import ParallelConfig
-from hetfair.precision import LossScaleConfig
+from hetfair.precision.mixed import LossScaleConfig
 
 
 @dataclass(frozen=True)

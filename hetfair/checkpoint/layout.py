@@ -39,7 +39,7 @@ from typing import Any, BinaryIO, Callable, Mapping, Optional, Protocol
 
 import torch
 
-from hetfair.checkpoint_writer import CheckpointWriter, host_snapshot
+from hetfair.checkpoint.writer import CheckpointWriter, host_snapshot
 from hetfair.errors import CheckpointError, ConfigError, Interrupted, first_line
 from hetfair.utils import check_output_dir
 
@@ -238,7 +238,7 @@ class CheckpointConfig:
     no_epoch_checkpoints: bool = False
     maximize_best_checkpoint_metric: bool = False
     async_save: bool = False
-    """Write in the background (see :mod:`hetfair.checkpoint_writer`); ``hetfair-train`` does unless
+    """Write in the background (see :mod:`hetfair.checkpoint.writer`); ``hetfair-train`` does unless
     given ``--no-async-save``."""
 
     @classmethod
