@@ -62,8 +62,6 @@ class GradientComm:
                                           min_compression_rate=MIN_COMPRESSION_RATE)
         self._layouts: dict[int, tuple[int, ...]] = {}  # bucket index -> its parameters, of PowerSGD's memories
         self._loose: ParamState = {}  # memories of buckets not seen yet in the current layout
-        self.restored = False
-        """Whether :meth:`load_state_dict` brought back a saved PowerSGD state."""
         self._serial = dist.get_backend() == "gloo"
         """Finish each bucket's PowerSGD before the next bucket starts. On gloo its chained all-reduces start
         from gloo's worker threads as the previous ones complete, so with several buckets in flight two ranks
@@ -212,7 +210,6 @@ class GradientComm:
             memory.clear()
         if self.requested == "auto" and state.get("mode") != "none":
             self.mode = state["mode"]  # auto continues with the checkpoint's choice
-        self.restored = True
 
     def _cannot_continue(self, state: dict[str, Any]) -> Optional[str]:
         assert self.powersgd is not None
