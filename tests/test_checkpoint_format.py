@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -10,12 +11,14 @@ import pytest
 import torch
 
 from helpers import TOY_PLUGIN, final_parameters
+from hetfair.checkpoint import layout as checkpoint_layout
 from hetfair.checkpoint.layout import FORMAT_VERSION, CheckpointConfig, Checkpointer, atomic_save, load_checkpoint
 from hetfair.errors import CheckpointError
 from hetfair_cli.train import main as train_main
 
 DOCUMENTED_KEYS = {"format_version", "best_metric", "config", "trainer", "position", "clock", "epoch_stats", "batch",
                    "plan", "rng"}
+OPTIONAL_KEYS = {"balance", "loss_scale", "comm"}  # --auto-balance, a rank in fp16, PowerSGD (test_comm_hooks.py)
 
 
 def toy_args(save_dir: Path, *extra: str) -> list[str]:
@@ -28,6 +31,8 @@ def test_checkpoint_holds_the_documented_top_level_keys(tmp_path):
     state = load_checkpoint(tmp_path / "plain" / "checkpoint_last.pt")
     assert set(state) == DOCUMENTED_KEYS and state["format_version"] == FORMAT_VERSION
     assert set(state["trainer"]) == {"model", "optimizer", "optimizer_name", "lr_scheduler", "num_updates"}
+    assert set(state["plan"]) == {"world_size", "backend", "fractions", "micro_batches", "ranks"}
+    assert (state["plan"]["world_size"], state["plan"]["micro_batches"]) == (1, [16])
 
     assert train_main(toy_args(tmp_path / "balanced", "--max-update", "3", "--log-format", "none",
                                "--auto-balance")) == 0
@@ -38,6 +43,15 @@ def test_checkpoint_holds_the_documented_top_level_keys(tmp_path):
     scaled = load_checkpoint(tmp_path / "fp16" / "checkpoint_last.pt")
     assert set(scaled) == DOCUMENTED_KEYS | {"loss_scale"}
     assert scaled["loss_scale"] == {"scale": 128.0, "clean_updates": 3}
+
+
+def test_the_layout_docstring_lists_every_top_level_key():
+    docstring = checkpoint_layout.__doc__ or ""
+    block = docstring.split("::\n\n", 1)[1].split("\n\n", 1)[0]
+    listed = {match.group(1) for match in re.finditer(r"^    (\w+) ", block, re.MULTILINE)}
+    assert listed == DOCUMENTED_KEYS | OPTIONAL_KEYS, (
+        f"hetfair/checkpoint/layout.py's docstring lists {sorted(listed)}; the checkpoint writes "
+        f"{sorted(DOCUMENTED_KEYS | OPTIONAL_KEYS)}")
 
 
 def as_format_1(state: dict[str, Any]) -> dict[str, Any]:

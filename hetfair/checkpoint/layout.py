@@ -5,15 +5,19 @@ A checkpoint is one ``torch.save`` dict with these top-level keys (format 2)::
     format_version  2
     best_metric     best value so far of --best-checkpoint-metric (or None)
     config          the training options as plain data (numbers, strings, lists)
-    trainer         model, optimizer (full, also when sharded), optimizer_name, lr_scheduler, num_updates
+    trainer         model, optimizer (full, also when sharded; with --ddp-backend localsgd/diloco also every
+                    rank's inner optimizer tensors and the outer optimizer, under outer_loop), optimizer_name,
+                    lr_scheduler, num_updates
     position        epoch (1-based) and samples_done in it
     clock           wall_seconds of training so far, over all runs of the job
     epoch_stats     the running training statistics of the current epoch
     batch           global_batch_size and update_freq: the samples of each update, kept on resume
     balance         the load balancer's split and measurements (only with --auto-balance)
+    plan            the per-device plan: world_size, backend, fractions, micro_batches and ranks (each rank's
+                    device, memory, budget, precision, probed micro-batch, why); a resume says what changed
     loss_scale      the job's loss scale and its updates without overflow (only when a rank runs fp16)
-    comm            PowerSGD's state of every rank, by parameter: error feedback, P/Q, step, generator
-                    (only with --ddp-comm-hook powersgd/auto on several processes)
+    comm            the hook, the mode auto chose, and PowerSGD's state of every rank, by parameter: error
+                    feedback, P/Q, step, generator (only with --ddp-comm-hook powersgd/auto on several processes)
     rng             Python, numpy and torch generator states
 
 Each part but ``config`` and ``best_metric`` is the ``state_dict()`` of one stateful object
