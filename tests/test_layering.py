@@ -12,6 +12,7 @@ no module outside the plugin families may import them except the console scripts
 from __future__ import annotations
 
 import ast
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
@@ -239,3 +240,46 @@ def import_cycles() -> list[list[str]]:
 
 def test_no_import_cycles():
     assert not import_cycles(), f"modules that import each other (in functions too): {import_cycles()}"
+
+
+LAYOUT_PAGE = REPO_ROOT / "docs" / "layout.md"
+
+
+def without_parentheses(text: str) -> str:
+    """``text`` without its parenthesised remarks (nested ones, such as a link's target, included)."""
+    kept, depth = [], 0
+    for char in text:
+        depth += char == "("
+        if depth == 0:
+            kept.append(char)
+        depth -= char == ")" and depth > 0
+    return "".join(kept)
+
+
+def documented_layers(page: str) -> list[tuple[str, ...]]:
+    """The numbered list after "The layers, top to bottom" on docs/layout.md: each item's `names`, its
+    parenthesised remarks left out."""
+    items: list[str] = []
+    for line in page.split("The layers, top to bottom", 1)[1].splitlines():
+        if re.match(r"\d+\. ", line):
+            items.append(line.split(". ", 1)[1])
+        elif items and line.startswith("   ") and line.strip():
+            items[-1] += " " + line.strip()
+        elif items and not line.strip():
+            break
+    return [tuple(re.findall(r"`([^`]+)`", without_parentheses(item))) for item in items]
+
+
+def test_the_layout_page_lists_the_layers():
+    documented = documented_layers(LAYOUT_PAGE.read_text())
+    rows = max(len(documented), len(LAYERS))
+    page = [set(layer) for layer in documented] + [set()] * (rows - len(documented))
+    code = [set(layer) for layer in LAYERS] + [set()] * (rows - len(LAYERS))
+    wrong = [f"  {index + 1}. the page: {', '.join(sorted(p)) or '-'} | LAYERS: {', '.join(sorted(c)) or '-'}"
+             for index, (p, c) in enumerate(zip(page, code)) if p != c]
+    expected = "\n".join(f"{index + 1}. " + ", ".join(f"`{name}`" for name in layer)
+                         for index, layer in enumerate(LAYERS))
+    assert not wrong, (
+        f"docs/layout.md's numbered layer list differs from LAYERS in {Path(__file__).name} (each item names its "
+        f"layer's modules in backquotes, layers in LAYERS' order; remarks in parentheses are free):\n"
+        + "\n".join(wrong) + f"\nthe list as LAYERS has it:\n{expected}")
