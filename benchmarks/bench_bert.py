@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from hetfair.parallel.context import DistributedContext
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY
-from hetfair.trainer import Trainer
+from hetfair.run.wiring import build_trainer
 from hetfair_cli.preprocess import main as preprocess_main
 from hetfair_cli.train import main as train_main
 
@@ -152,7 +152,7 @@ def trainer_step(args, task, dummy: dict) -> Step:
     torch.manual_seed(args.seed)
     model, criterion = task.build_model(args), task.build_criterion(args)
     context = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    trainer = Trainer.from_args(args, model, criterion, context, dummy)
+    trainer = build_trainer(args, model, criterion, context, dummy)
     return lambda sample: trainer.train_step([sample])
 
 

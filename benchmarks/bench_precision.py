@@ -42,6 +42,7 @@ from hetfair.parallel.context import DistributedContext  # noqa: E402
 from hetfair.options import parse_train_args  # noqa: E402
 from hetfair.precision.mixed import LossScaleConfig, LossScaler  # noqa: E402
 from hetfair.tasks import TASK_REGISTRY  # noqa: E402
+from hetfair.run import wiring  # noqa: E402
 from hetfair.trainer import Trainer  # noqa: E402
 
 WARMUP_UPDATES = 2
@@ -57,7 +58,7 @@ def build_trainer(flags: list[str], precision: str, scaling: bool, dummy: dict) 
     model, criterion = task.build_model(args), task.build_criterion(args)
     context = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
     scaler = LossScaler(LossScaleConfig(init_scale=2.0**7, scale_window=2000)) if scaling else None
-    return Trainer.from_args(args, model, criterion, context, dummy, scaler)
+    return wiring.build_trainer(args, model, criterion, context, dummy, scaler)
 
 
 def time_alternating(steps: dict[str, Step], batches: list[dict]) -> dict[str, list[float]]:

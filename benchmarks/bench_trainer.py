@@ -130,7 +130,7 @@ def build_contenders(arch: str, args: argparse.Namespace) -> tuple[list[Contende
     from hetfair.parallel.context import DistributedContext
     from hetfair.options import parse_train_args
     from hetfair.tasks import TASK_REGISTRY
-    from hetfair.trainer import Trainer
+    from hetfair.run.wiring import build_trainer
 
     options = parse_train_args(hetfair_args(arch, args.data, args.batch_size, "--log-format", "none"))
     task = TASK_REGISTRY.get(options.task).setup_task(options)
@@ -138,8 +138,8 @@ def build_contenders(arch: str, args: argparse.Namespace) -> tuple[list[Contende
     torch.manual_seed(SEED)
     model = task.build_model(options)
     context = DistributedContext(rank=0, world_size=1, local_rank=0, device=torch.device("cpu"))
-    trainer = Trainer.from_args(options, model, task.build_criterion(options), context,
-                                dummy_batch(dataset, task.collater))
+    trainer = build_trainer(options, model, task.build_criterion(options), context,
+                            dummy_batch(dataset, task.collater))
 
     order = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(SEED)).tolist()
     pool = [task.collater([dataset[i] for i in order[k * args.batch_size:(k + 1) * args.batch_size]])

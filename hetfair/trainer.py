@@ -49,7 +49,7 @@ from hetfair.parallel.stats import (
 from hetfair.errors import CheckpointError, ConfigError, DivergenceError, first_line
 from hetfair.models import HetfairModel
 from hetfair.models.activation_checkpointing import checkpoint_units
-from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY, LRScheduler
+from hetfair.optim import LRScheduler
 from hetfair.parallel import ParallelConfig, Strategy, build_strategy
 from hetfair.precision.mixed import LossScaler, autocast
 from hetfair.utils import derived_seed, move_to_device, state_dict_mismatch
@@ -150,24 +150,6 @@ class Trainer:
         self._clock = _ComputeClock(self.params)
         self._last_seconds = 0.0  # this rank's compute seconds of the last update: they travel with the next
         self._last_samples: list[float] = []  # every rank's samples of the last update (empty: none yet)
-
-    @classmethod
-    def from_args(cls, args: argparse.Namespace, model: nn.Module, criterion: nn.Module,
-                  context: DistributedContext, dummy_batch: dict[str, Any],
-                  loss_scaler: Optional[LossScaler] = None, parallel: Optional[ParallelConfig] = None) -> "Trainer":
-        """The trainer of ``args``: its ``--ddp-backend`` strategy, ``--optimizer`` (built by the strategy),
-        ``--lr-scheduler`` and ``--precision``, with the job's ``loss_scaler`` (see
-        :func:`hetfair.precision.mixed.job_loss_scaler`). The ranks must have agreed on their settings already
-        (:mod:`hetfair.run.startup`): the strategies' collectives differ. ``parallel``: the job's parallelism as the
-        start-up exchange completed it (:mod:`hetfair.memory.plan`; default: the flags' own)."""
-        recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
-        strategy = build_strategy(parallel or ParallelConfig.from_args(args), context)
-        return cls(
-            TrainerConfig.from_args(args), model, criterion, context, dummy_batch,
-            optimizer_factory=lambda params: strategy.build_optimizer(recipe, args, params),
-            lr_scheduler_factory=lambda optimizer: LR_SCHEDULER_REGISTRY.get(args.lr_scheduler)(args, optimizer),
-            loss_scaler=loss_scaler, strategy=strategy,
-        )
 
     # -- training --------------------------------------------------------------
     def train_step(self, samples: list[Optional[dict[str, Any]]]) -> Optional[UpdateResult]:

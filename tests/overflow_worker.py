@@ -20,7 +20,7 @@ from hetfair.options import parse_train_args
 from hetfair.precision.mixed import LossScaleConfig, job_loss_scaler
 from hetfair.run.startup import LOSS_SCALE, RankFacts, agree_at_start_up
 from hetfair.tasks import TASK_REGISTRY
-from hetfair.trainer import Trainer
+from hetfair.run.wiring import build_trainer
 
 PRECISIONS = ("fp32", "fp16")
 POISONED_STEP, POISONED_RANK = 2, 1
@@ -52,7 +52,7 @@ def train(context: DistributedContext) -> list[dict]:
     job = agree_at_start_up(context, RankFacts(args.precision, PER_RANK, PER_RANK,
                                                {LOSS_SCALE: loss_scale.shared_settings()}))
     scaler = job_loss_scaler(job.precisions, loss_scale)
-    trainer = Trainer.from_args(args, model, task.build_criterion(args), context, task.collater([data[0]]), scaler)
+    trainer = build_trainer(args, model, task.build_criterion(args), context, task.collater([data[0]]), scaler)
     records = []
     for step in range(STEPS):
         first = (step * context.world_size + context.rank) * PER_RANK

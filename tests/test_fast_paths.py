@@ -21,6 +21,7 @@ from hetfair.errors import ConfigError
 from hetfair.optim.implementation import implementation_kwargs
 from hetfair.options import parse_train_args
 from hetfair.tasks import TASK_REGISTRY
+from hetfair.run.wiring import build_trainer
 from hetfair.trainer import Trainer
 from hetfair.launch.supervisor import run_workers
 
@@ -34,7 +35,7 @@ def toy_trainer(*flags: str, context: DistributedContext = CPU) -> tuple[Trainer
     data = task.dataset("train")
     torch.manual_seed(0)
     model = task.build_model(args)
-    return Trainer.from_args(args, model, task.build_criterion(args), context, dummy_batch(data, task.collater)), data
+    return build_trainer(args, model, task.build_criterion(args), context, dummy_batch(data, task.collater)), data
 
 
 def batches(data: torch.utils.data.Dataset, sizes: list[int]) -> list[dict]:

@@ -32,7 +32,7 @@ from hetfair.options import parse_train_args
 from hetfair.plugins import import_user_dir
 from hetfair.precision.mixed import LossScaleConfig, LossScaler, autocast
 from hetfair.tasks import TASK_REGISTRY
-from hetfair.trainer import Trainer
+from hetfair.run.wiring import build_trainer
 from hetfair_cli.train import main as train_main
 from hetfair.launch.supervisor import run_workers
 from test_mnist_plugin import write_idx
@@ -261,8 +261,8 @@ def test_loss_scaling_leaves_an_fp32_update_bit_for_bit_the_same() -> None:
     params = []
     for scaler in (None, LossScaler(LossScaleConfig(init_scale=2.0**10, scale_window=2))):
         torch.manual_seed(0)
-        trainer = Trainer.from_args(args, task.build_model(args), task.build_criterion(args), context, batches[0],
-                                    scaler)
+        trainer = build_trainer(args, task.build_model(args), task.build_criterion(args), context, batches[0],
+                                scaler)
         for batch in batches:
             trainer.train_step([batch])
         params.append(trainer.model.state_dict())

@@ -30,6 +30,7 @@ import functools
 import gc
 import os
 import sys
+from dataclasses import replace
 from datetime import timedelta
 from typing import Any, NoReturn, Optional
 
@@ -46,30 +47,20 @@ from hetfair.live.membership import Group, Membership, RoundProgress, say
 from hetfair.live.records import JobRecords
 from hetfair.live.state_transfer import broadcast_state
 from hetfair.logging.progress import Progress
-from hetfair.parallel import ParallelConfig
+from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig, plan_candidates
 from hetfair.parallel.collectives import comm_device
 from hetfair.parallel.context import DistributedContext
+from hetfair.plan import AUTO
 from hetfair.plugins import import_user_dir
-from hetfair.run.training import Regroup, TrainingRun
-
-REFUSED_BACKENDS = {
-    "fully_sharded": "a lost rank's parameter shards cannot be rebuilt from the others",
-    "hybrid_sharded": "a lost rank's parameter shards cannot be rebuilt from the others",
-    "localsgd": "the outer loop's rounds would need their own recovery",
-    "diloco": "the outer loop's rounds would need their own recovery",
-}
+from hetfair.run.loop import Regroup
+from hetfair.run.training import TrainingRun
 
 
 def check_live_options(args: argparse.Namespace) -> None:
     """Refuse, in one line each, what live recovery cannot keep exact (before anything starts)."""
-    config = ParallelConfig.from_args(args)
-    why = REFUSED_BACKENDS.get(config.ddp_backend)
-    if why:
-        raise ConfigError(f"--fault-tolerance live does not support --ddp-backend {config.ddp_backend}: {why}; "
-                          f"use --ddp-backend c10d, or --fault-tolerance none with torchrun's restarts")
-    if config.zero_sharding != "none":
-        raise ConfigError("--fault-tolerance live does not support --zero-sharding os: a lost rank's optimizer "
-                          "shard cannot be rebuilt from the others; drop --zero-sharding")
+    refusal = live_recovery_refusal(ParallelConfig.from_args(args))
+    if refusal:
+        raise ConfigError(f"--fault-tolerance live does not support {refusal}")
     init = args.distributed_init_method or ""
     if not init.startswith("tcp://"):
         raise ConfigError("--fault-tolerance live needs --distributed-init-method tcp://HOST:PORT, the address of "
@@ -77,6 +68,19 @@ def check_live_options(args: argparse.Namespace) -> None:
     if (args.distributed_gpus or 1) != 1 or isinstance(args.max_sentences, tuple):
         raise ConfigError("--fault-tolerance live runs one process per command: give --distributed-gpus 1 and one "
                           "--max-sentences value, and start one command per process")
+
+
+def live_recovery_refusal(config: ParallelConfig) -> Optional[str]:
+    """What of ``config`` live recovery cannot keep exact, as its strategy declares
+    (:meth:`~hetfair.parallel.Strategy.live_recovery_refusal`; ``None``: nothing); for ``--ddp-backend auto``,
+    what a strategy the plan may choose declares."""
+    if config.ddp_backend != AUTO:
+        return STRATEGY_REGISTRY.get(config.ddp_backend).live_recovery_refusal(config)
+    for backend in plan_candidates():
+        refusal = STRATEGY_REGISTRY.get(backend).live_recovery_refusal(replace(config, ddp_backend=backend))
+        if refusal:
+            return f"--ddp-backend {AUTO}, which may choose {refusal}"
+    return None
 
 
 def train_live(args: argparse.Namespace) -> None:

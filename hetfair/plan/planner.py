@@ -6,15 +6,16 @@ the replicated state with room for a micro-batch (for ``--ddp-backend auto``), t
 ``auto`` rank probed its micro-batch (:mod:`hetfair.plan.probe`) for the chosen backend, each rank's
 row of the plan. ``--ddp-backend auto`` replicates (``c10d``) when every rank holds the model's whole
 state (parameters, gradients, optimizer state) and one micro-batch, else shards it
-(``fully_sharded``) in proportion to the budgets (:func:`hetfair.memory.budget.fractions_from_budgets`).
+(``fully_sharded``) in proportion to the budgets (:func:`hetfair.memory.budget.fractions_from_budgets`):
+the strategies whose :attr:`~hetfair.parallel.Strategy.plan_role` says so (:func:`hetfair.parallel.plan_candidate`).
+What the plan does with a strategy it is given is what the strategy declares, never its name.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
-from dataclasses import asdict, dataclass
-from typing import Any, Callable, Optional, Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 import torch
 from torch import nn
@@ -23,14 +24,16 @@ from hetfair.errors import ConfigError, JobWideError
 from hetfair.memory.budget import device_budget, fractions_from_budgets
 from hetfair.memory.peak import current_bytes
 from hetfair.memory.sizes import format_size
+from hetfair.parallel import STRATEGY_REGISTRY, plan_candidate
 from hetfair.parallel.collectives import all_gather_json
-from hetfair.parallel.config import parse_shard_fractions
 from hetfair.parallel.context import DistributedContext
 from hetfair.plan import AUTO
 from hetfair.plan.probe import SAFETY_MARGIN, MicroBatchProbe, ProbeResult
 from hetfair.plan.state import OptimizerFactory, StateSizes
 
-REPLICATED, SHARDED = "c10d", "fully_sharded"
+if TYPE_CHECKING:  # the run's configuration is built above the plan; the plan only reads and replaces it
+    from hetfair.run.config import RunConfig
+
 SIZE_FLAGS = ("max_sentences", "max_tokens")
 
 
@@ -70,9 +73,10 @@ class JobPlan:
         """The ``plan |`` table: a header, a row per rank (its micro-batch ``caps[r]``, share of the global batch
         ``shares[r]``), the backend and the probing time."""
         rows = [("rank", "device", "memory", "budget", "precision", "micro-batch", "share", "shard", "why")]
+        strategy = STRATEGY_REGISTRY.get(self.backend)
         for rank, row in enumerate(self.ranks):
-            shard = "whole" if self.backend == REPLICATED else "-" if self.backend != SHARDED else \
-                f"{self.fractions[rank] if self.fractions else 1 / len(self.ranks):.2f}"
+            shard = "whole" if strategy.plan_role == "replicated" else "-" if not strategy.takes_shard_fractions \
+                else f"{self.fractions[rank] if self.fractions else 1 / len(self.ranks):.2f}"
             rows.append((str(rank), row.device, _size(row.memory), _size(row.budget), row.precision, str(caps[rank]),
                          f"{shares[rank]:.2f}", shard, row.why))
         widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
@@ -116,24 +120,25 @@ class PlanPart:
 class Planner:
     """Makes one process's part of the :class:`JobPlan` (collectives: every rank must call :meth:`plan`)."""
 
-    def __init__(self, args: argparse.Namespace, context: DistributedContext, model: nn.Module,
+    def __init__(self, config: "RunConfig", context: DistributedContext, model: nn.Module,
                  criterion: nn.Module, batch_of: Callable[[int], dict[str, Any]], samples: int,
                  positions: Optional[int], units: Sequence[nn.Module], build_optimizer: OptimizerFactory) -> None:
-        self.args = args
+        self.config = config
         self.context = context
         self.model = model
         self.samples = samples
         self.positions = positions
-        self.auto_sizes = [dest for dest in SIZE_FLAGS if getattr(args, dest) == AUTO]
-        self.auto_backend = args.ddp_backend == AUTO
-        self.budget = args.memory_budget or _device_budget(context.device)
+        self.auto_sizes = [dest for dest in SIZE_FLAGS if getattr(config.data, dest) == AUTO]
+        self.auto_backend = config.parallel.ddp_backend == AUTO
+        self.budget = config.memory.budget or _device_budget(context.device)
         self._check_auto_sizes()
-        self.probing = plan_probes(args, context.world_size)
-        self.probe = MicroBatchProbe(model, criterion, batch_of, context.device, args.precision, self.budget)
+        self.probing = plan_probes(config, context.world_size)
+        self.probe = MicroBatchProbe(model, criterion, batch_of, context.device, config.precision.precision,
+                                     self.budget)
         self.sizes = StateSizes.of(model, units, build_optimizer) if self.probing else None
 
-    def plan(self) -> tuple[JobPlan, argparse.Namespace]:
-        """The job's plan, and this process's options with every ``auto`` replaced by the plan's choice."""
+    def plan(self) -> tuple[JobPlan, "RunConfig"]:
+        """The job's plan, and this process's configuration with every ``auto`` replaced by the plan's choice."""
         home = next(self.model.parameters()).device
         if self.probing:
             self.model.to(self.context.device)
@@ -146,7 +151,8 @@ class Planner:
             self.model.to(home)  # a sharded strategy shards it before it moves to the device
             if self.context.device.type == "cuda":
                 torch.cuda.empty_cache()
-        _refuse_too_small(rows, can_shard=self.context.world_size > 1 and backend != SHARDED)
+        shards = STRATEGY_REGISTRY.get(backend).plan_role == "sharded"
+        _refuse_too_small(rows, can_shard=self.context.world_size > 1 and not shards)
         plan = JobPlan(rows, backend, why, fractions, any(f["auto"] for f in facts))
         return plan, self._resolved(plan)
 
@@ -161,35 +167,35 @@ class Planner:
     def _backend(self, budgets: list[Optional[int]], fits: list[bool]) -> tuple[str, str, Optional[tuple[float, ...]]]:
         """The backend, why, and the shard fractions (by budget when every rank has one)."""
         if not self.auto_backend:
-            given = parse_shard_fractions(self.args.shard_fractions)
-            if self.args.ddp_backend == SHARDED and given is None:
-                return SHARDED, "as given", _fractions_by_budget(budgets)
-            return self.args.ddp_backend, "as given", given
+            backend, given = self.config.parallel.ddp_backend, self.config.parallel.shard_fractions
+            if STRATEGY_REGISTRY.get(backend).takes_shard_fractions and given is None:
+                return backend, "as given", _fractions_by_budget(budgets)
+            return backend, "as given", given
         if self.context.world_size == 1:
-            return REPLICATED, "one process, nothing to shard over", None
+            return plan_candidate("replicated"), "one process, nothing to shard over", None
         assert self.sizes is not None
         state = format_size(self.sizes.replicated())
         if all(fits):
-            return REPLICATED, (f"every rank holds the model's state ({state}: parameters, gradients, optimizer "
-                                f"state) and a micro-batch: replicated"), None
+            return plan_candidate("replicated"), (f"every rank holds the model's state ({state}: parameters, "
+                                                  f"gradients, optimizer state) and a micro-batch: replicated"), None
         short = ", ".join(str(rank) for rank, fit in enumerate(fits) if not fit)
         fractions = _fractions_by_budget(budgets)
         split = "by memory budget" if fractions else "equally (not every rank has a budget)"
-        return SHARDED, (f"rank(s) {short} cannot hold the model's state ({state}: parameters, gradients, "
-                         f"optimizer state) and a micro-batch: sharded {split}"), fractions
+        return plan_candidate("sharded"), (f"rank(s) {short} cannot hold the model's state ({state}: parameters, "
+                                           f"gradients, optimizer state) and a micro-batch: sharded {split}"), fractions
 
     # -- this rank's micro-batch ---------------------------------------------------------
     def _own_row(self, backend: str, fractions: Optional[tuple[float, ...]]) -> RankPlan:
         device = self.context.device
         common = {"device": _device_name(device), "memory": _device_memory(device), "budget": self.budget,
-                  "precision": self.args.precision}
+                  "precision": self.config.precision.precision}
         if not self.auto_sizes:
-            given = ", ".join(f"--{dest.replace('_', '-')} {getattr(self.args, dest)}" for dest in SIZE_FLAGS
-                              if getattr(self.args, dest) is not None)
+            given = ", ".join(f"--{dest.replace('_', '-')} {getattr(self.config.data, dest)}" for dest in SIZE_FLAGS
+                              if getattr(self.config.data, dest) is not None)
             return RankPlan(**common, probed=None, why=f"given ({given})")
         assert self.sizes is not None
         share = None
-        if backend == SHARDED:
+        if STRATEGY_REGISTRY.get(backend).takes_shard_fractions:
             share = fractions[self.context.rank] if fractions else 1 / self.context.world_size
         upper = min(self.samples, self._given_capacity() or self.samples)
         held_before = current_bytes(device)
@@ -200,7 +206,7 @@ class Planner:
 
     def _given_capacity(self) -> Optional[int]:
         """Samples per micro-batch the numeric one of ``--max-sentences`` / ``--max-tokens`` allows, if any."""
-        sentences, tokens = self.args.max_sentences, self.args.max_tokens
+        sentences, tokens = self.config.data.max_sentences, self.config.data.max_tokens
         bounds = [sentences] if isinstance(sentences, int) else []
         if isinstance(tokens, int) and self.positions:
             bounds.append(max(1, tokens // self.positions))
@@ -208,31 +214,34 @@ class Planner:
 
     def _check_auto_sizes(self) -> None:
         if "max_tokens" in self.auto_sizes and self.positions is None:
-            raise ConfigError(f"task '{self.args.task}' has no fixed sample length; use --max-sentences auto "
+            raise ConfigError(f"task '{self.config.data.task}' has no fixed sample length; use --max-sentences auto "
                               f"instead of --max-tokens auto")
         if self.auto_sizes and self.budget is None:
             flag = "--" + self.auto_sizes[0].replace("_", "-")
             raise ConfigError(f"{flag} auto on CPU needs --memory-budget SIZE (this process's memory, e.g. 8G): "
                               f"a CPU has no device limit to probe against")
 
-    def _resolved(self, plan: JobPlan) -> argparse.Namespace:
-        own: dict[str, Any] = {}
+    def _resolved(self, plan: JobPlan) -> "RunConfig":
+        sizes: dict[str, Any] = {}
         probed = plan.ranks[self.context.rank].probed
         if "max_sentences" in self.auto_sizes:
-            own["max_sentences"] = probed
+            sizes["max_sentences"] = probed
         if "max_tokens" in self.auto_sizes:
-            own["max_tokens"] = int(probed or 0) * int(self.positions or 0)
+            sizes["max_tokens"] = int(probed or 0) * int(self.positions or 0)
+        parallel = self.config.parallel
         if self.auto_backend:
-            own["ddp_backend"] = plan.backend
-        if self.auto_backend and plan.backend == SHARDED and self.args.shard_fractions is None and plan.fractions:
-            own["shard_fractions"] = ",".join(map(repr, plan.fractions))
-        return argparse.Namespace(**{**vars(self.args), **own})
+            parallel = replace(parallel, ddp_backend=plan.backend)
+        takes_fractions = STRATEGY_REGISTRY.get(plan.backend).takes_shard_fractions
+        if self.auto_backend and takes_fractions and parallel.shard_fractions is None and plan.fractions:
+            parallel = replace(parallel, shard_fractions=plan.fractions)
+        return replace(self.config, data=replace(self.config.data, **sizes), parallel=parallel)
 
 
-def plan_probes(args: argparse.Namespace, world_size: int) -> bool:
+def plan_probes(config: "RunConfig", world_size: int) -> bool:
     """Whether the plan runs the whole model (``auto`` micro-batches, or ``--ddp-backend auto`` on several
     ranks): the model must then be built whole, not deferred."""
-    return any(getattr(args, dest) == AUTO for dest in SIZE_FLAGS) or (args.ddp_backend == AUTO and world_size > 1)
+    return any(getattr(config.data, dest) == AUTO for dest in SIZE_FLAGS) or (
+        config.parallel.ddp_backend == AUTO and world_size > 1)
 
 
 def _probe_why(result: ProbeResult) -> str:

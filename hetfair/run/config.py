@@ -38,12 +38,14 @@ class LoopConfig:
     seed: int = 1
     log_format: Optional[str] = None
     tensorboard_logdir: Optional[str] = None
+    dry_run: bool = False
+    """Show the plan and stop: nothing trains, nothing is written."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "LoopConfig":
         return cls(args.max_epoch, args.max_update, args.log_interval, args.validate_interval,
                    args.validate_interval_updates, args.disable_validation, tuple(args.valid_subset.split(",")),
-                   args.best_checkpoint_metric, args.seed, args.log_format, args.tensorboard_logdir)
+                   args.best_checkpoint_metric, args.seed, args.log_format, args.tensorboard_logdir, args.dry_run)
 
 
 @dataclass(frozen=True)
@@ -54,10 +56,10 @@ class DataConfig:
     """The task's registry name, for messages."""
     train_subset: str = "train"
     num_workers: int = 0
-    max_sentences: Optional[int] = None
-    """Samples per micro-batch on this process."""
-    max_tokens: Optional[int] = None
-    """Tokens per micro-batch on this process."""
+    max_sentences: Optional[int | str] = None
+    """Samples per micro-batch on this process (``auto`` until the plan chooses)."""
+    max_tokens: Optional[int | str] = None
+    """Tokens per micro-batch on this process (``auto`` until the plan chooses)."""
     max_sentences_valid: Optional[int] = None
     """Validation samples per batch on this process (default: ``max_sentences``)."""
     global_batch_size: Optional[int] = None
@@ -88,6 +90,18 @@ class PrecisionConfig:
 
 
 @dataclass(frozen=True)
+class MemoryConfig:
+    """What this process's training state and micro-batch may occupy."""
+
+    budget: Optional[int] = None
+    """``--memory-budget`` in bytes (``None``: on CUDA the device's free memory, on CPU no limit)."""
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "MemoryConfig":
+        return cls(args.memory_budget)
+
+
+@dataclass(frozen=True)
 class RunConfig:
     """Every section of one process's training run."""
 
@@ -97,6 +111,7 @@ class RunConfig:
     parallel: ParallelConfig
     precision: PrecisionConfig
     balance: BalanceConfig
+    memory: MemoryConfig = MemoryConfig()
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, world_size: int, balance_lag: int = 0) -> "RunConfig":
@@ -104,4 +119,4 @@ class RunConfig:
         ``balance_lag`` updates late."""
         return cls(LoopConfig.from_args(args), DataConfig.from_args(args), CheckpointConfig.from_args(args),
                    ParallelConfig.from_args(args), PrecisionConfig.from_args(args, world_size),
-                   BalanceConfig.from_args(args, lag=balance_lag))
+                   BalanceConfig.from_args(args, lag=balance_lag), MemoryConfig.from_args(args))

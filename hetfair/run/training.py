@@ -1,56 +1,43 @@
-"""The training loop of one process: epochs, updates, validation, checkpoints, logging."""
+"""One process's training run: :class:`TrainingRun` sets it up from the options (through
+:mod:`hetfair.run.wiring`, the edge that reads them) and runs the loop (:mod:`hetfair.run.loop`), which
+reports through :mod:`hetfair.run.reporting`; plus the checks before any process starts and the shapes
+of the updates (per-rank capacities, ``--global-batch-size`` x ``--update-freq``, resumed and fitted)."""
 
 from __future__ import annotations
 
 import argparse
 import math
-import signal
 import sys
-from datetime import timedelta
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-import torch
-
 from hetfair.balance import LoadBalancer
 from hetfair.checkpoint.layout import CheckpointConfig, Checkpointer, Stateful
-from hetfair.criteria.fit import check_criterion_fits
-from hetfair.data.epoch_updates import EpochSchedule, EpochUpdates, Update
-from hetfair.data.batch_plan import split_counts
-from hetfair.data.rank_batches import dummy_batch
 from hetfair.data.update_shape import UpdateShape
-from hetfair.models.deferred_init import build_deferred
-from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig
-from hetfair.parallel.comm_advice import CommAdvisor, LinkMeasurement
-from hetfair.parallel.comm_hooks import CommStatePart
-from hetfair.parallel.context import DistributedContext
-from hetfair.parallel.nodes import gather_layout
-from hetfair.launch.preemption import StopAgreement, requested_by
-from hetfair.parallel.stats import UpdateResult
-from hetfair.errors import ConfigError, Preempted
+from hetfair.errors import ConfigError
+from hetfair.launch.preemption import StopAgreement
 from hetfair.logging.meters import IntervalStats, Stopwatch
-from hetfair.logging.progress import Progress, format_metric
+from hetfair.logging.progress import Progress
 from hetfair.logging.tensorboard import TensorBoardLogger
 from hetfair.memory.budget import device_budget
 from hetfair.memory.plan import StateSize, check_fit, complete_parallel_config
-from hetfair.memory.table import FirstUpdateMemory, gather_rows, over_budget_lines, table_lines
+from hetfair.memory.table import FirstUpdateMemory
 from hetfair.models import HetfairModel
-from hetfair.optim import OPTIMIZER_REGISTRY
 from hetfair.optim.lr_scheduler.schedule_length import schedule_length_warning
-from hetfair.options import plain_config
-from hetfair.plan.planner import JobPlan, PlanPart, Planner, plan_probes
-from hetfair.precision.auto import resolved_precision
-from hetfair.plan.probe import longest_sample_batches
-from hetfair.plan.state import optimizer_state_ratio, parameter_bytes
+from hetfair.parallel.comm_hooks import CommStatePart
+from hetfair.parallel.context import DistributedContext
+from hetfair.plan.planner import PlanPart
+from hetfair.plan.state import parameter_bytes
 from hetfair.precision.mixed import job_loss_scaler
-from hetfair.rng import RngState, seed_everything
-from hetfair.run.config import DataConfig, LoopConfig, RunConfig
-from hetfair.run.state import BalancerPart, BatchPart, Position, TrainingClock
+from hetfair.rng import RngState
+from hetfair.run.config import DataConfig, LoopConfig
+from hetfair.run.loop import TrainingLoop
 from hetfair.run.startup import LOSS_SCALE, PARALLELISM, JobFacts, RankFacts, agree_at_start_up
-from hetfair.tasks import TASK_REGISTRY, Task
-from hetfair.trainer import Trainer
-from hetfair.utils import check_output_dir, move_to_device
+from hetfair.run.state import BalancerPart, BatchPart, Position, TrainingClock
 from hetfair.run.validation import Validator
+from hetfair.run.wiring import Components, RunWiring
+from hetfair.tasks import Task
+from hetfair.utils import check_output_dir, move_to_device
 
 
 def local_capacity(data: DataConfig, task: Task, max_sentences: Optional[int]) -> int:
@@ -138,39 +125,30 @@ def train(args: argparse.Namespace, context: DistributedContext) -> None:
             run.run()
 
 
-class Regroup(Exception):
-    """Live recovery: every rank left the loop at the same update boundary to let the membership change."""
-
-
-class TrainingRun:
+class TrainingRun(TrainingLoop):
     """One process's training run: set-up, the epoch/update loop, validation and checkpoints as scheduled.
 
-    The loop reads its :class:`RunConfig` sections; ``args`` go to the components (task, model,
-    criterion, optimizer, schedule) and, as plain data, into checkpoints. Live recovery
+    Only the constructor sees ``args``, through :class:`~hetfair.run.wiring.RunWiring`: the components (task,
+    model, criterion, optimizer, schedule) are built from them and, as plain data, they go into checkpoints;
+    everything else reads the plan's :class:`~hetfair.run.config.RunConfig`. Live recovery
     (:mod:`hetfair.live`) builds one per membership: ``resume_state`` (:meth:`Checkpointer.state` of a
     run before) replaces the checkpoint file, and when ``regroup_wanted`` turns true on any rank every
-    rank raises :class:`Regroup` after the same update.
+    rank raises :class:`~hetfair.run.loop.Regroup` after the same update.
     """
 
     def __init__(self, args: argparse.Namespace, context: DistributedContext,
                  progress: Optional[Progress] = None, resume_state: Optional[dict[str, Any]] = None,
                  regroup_wanted: Optional[Callable[[], bool]] = None) -> None:
-        args = argparse.Namespace(**{**vars(args), "precision": resolved_precision(args.precision, context.device)})
+        wiring = RunWiring(args, context)
         self.resume_state = resume_state
         self._regroup_wanted = regroup_wanted
         self.context = context
-        self.progress = progress or Progress(args.log_format, enabled=context.is_master)
-        seed_everything(args.seed)
-        self.task = TASK_REGISTRY.get(args.task).setup_task(args)
-        self.train_data = self.task.dataset(args.train_subset)
-        model = self._build_model(args)
-        criterion = self.task.build_criterion(args)
-        dummy = dummy_batch(self.train_data, self.task.collater)
-        deferred = any(param.is_meta for param in model.parameters())  # no values until the strategy shards it
-        if not deferred:
-            self._check_criterion(model, criterion, dummy, args)
-        self.plan, self.args = self._make_plan(args, model, criterion)  # every "auto" replaced by the plan's choice
-        self.config = config = RunConfig.from_args(self.args, context.world_size, balance_lag=Trainer.TIMINGS_LAG)
+        self.progress = progress or Progress(wiring.config.loop.log_format, enabled=context.is_master)
+        components = wiring.build_components()
+        self.task, self.train_data = components.task, components.train_data
+        self.plan = wiring.plan(components)  # the configuration's every "auto" replaced by the plan's choice
+        self.config = config = wiring.config
+        self.model_description = wiring.model_description()
         job = self._agree()
         self.precisions = job.precisions
         self.budget = job.budgets[context.rank]
@@ -179,22 +157,23 @@ class TrainingRun:
         self.shape = fit_shape(config.data, self.nominal_shape, self.caps)
         self.balancer = self._new_balancer()
         self._show_plan()
-        if not self.args.dry_run:  # a dry run ends with the plan: nothing trains, nothing is written
-            self._set_up_training(model, criterion, dummy, job)
-        self._check_schedule_length()  # once nothing else can fail at start-up: an error comes alone
+        if not config.loop.dry_run:  # a dry run ends with the plan: nothing trains, nothing is written
+            self._set_up_training(wiring, components, job)
+        self._check_schedule_length(wiring.scheduled_updates())  # once nothing else can fail: an error comes alone
 
-    def _set_up_training(self, model: torch.nn.Module, criterion: torch.nn.Module, dummy: dict, job: JobFacts) -> None:
+    def _set_up_training(self, wiring: RunWiring, components: Components, job: JobFacts) -> None:
         """The trainer, validator, meters and checkpoints of the planned run; resume; announce it."""
-        args, config, context = self.args, self.config, self.context
-        deferred = any(param.is_meta for param in model.parameters())
+        config, context, model = self.config, self.context, components.model
+        deferred = components.deferred
         param_bytes = parameter_bytes(p for p in model.parameters() if p.requires_grad)  # whole: not sharded yet
         whole_parameters = sum(p.numel() for p in model.parameters())
         parallel = complete_parallel_config(config.parallel, job.budgets, job.budgets_measured, self._notice)
-        self.trainer = Trainer.from_args(args, model, criterion, context, dummy,
-                                         job_loss_scaler(job.precisions, config.precision.loss_scale), parallel)
+        self.trainer = wiring.build_trainer(components, job_loss_scaler(job.precisions, config.precision.loss_scale),
+                                            parallel)
         if deferred:  # every rank runs the trial forward alike (the sharded model's collectives)
-            self._check_criterion(self.trainer.model, self.trainer.criterion, move_to_device(dummy, context.device), args)
-        self._check_memory_fit(param_bytes, job.budgets)
+            wiring.check_criterion(self.trainer.model, self.trainer.criterion,
+                                   move_to_device(components.dummy, context.device))
+        self._check_memory_fit(param_bytes, wiring.optimizer_state_ratio(), job.budgets)
         self._memory_to_report: Optional[FirstUpdateMemory] = None  # the first update's, once it runs
         # not where units are gathered: one rank recomputing a gathered unit the others do not recompute
         # mismatches their collectives (gloo aborts; sim_mlp with --sim-layers 1 and --activation-checkpointing 1,0)
@@ -205,7 +184,7 @@ class TrainingRun:
         """The ``memory |`` table has something to say: several ranks, or a budget to hold a rank to (the same on
         every rank: it is a collective)."""
         self.comm = self.trainer.strategy.gradient_comm()
-        self.comm_part = CommStatePart(self.comm, self._notice) if self.comm and self.comm.powersgd else None
+        self.comm_part = CommStatePart(self.comm, self._notice) if self.comm and self.comm.keeps_state else None
         self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, job.valid_caps,
                                    config.data.num_workers,
                                    forward_every_batch=self.trainer.strategy.joins_every_micro_batch)
@@ -216,8 +195,8 @@ class TrainingRun:
         self.interval = IntervalStats(reduce_metrics)
         self.epoch_stats = IntervalStats(reduce_metrics)
         self.stopwatch = Stopwatch()  # each update's seconds, for ups/wps
-        self.checkpointer = Checkpointer(config.checkpoint, self._checkpoint_parts(),
-                                         plain_config(args), context.is_master)
+        self.checkpointer = Checkpointer(config.checkpoint, self._checkpoint_parts(), wiring.stored_options(),
+                                         context.is_master)
         self._shards_to_report = True  # after the first update, if the strategy has any
         self.preemption = StopAgreement(context, self._regroup_wanted)
         self.preempted = False  # every rank agreed to save and stop after the current update
@@ -226,47 +205,10 @@ class TrainingRun:
         self.comm_advisor = self._measure_link()
         self._announce(whole_parameters)
 
-    def _build_model(self, args: argparse.Namespace) -> torch.nn.Module:
-        """The task's model; on the meta device where the strategy materialises only its rank's shards
-        (not where the plan probes micro-batches or the backend on the whole model)."""
-        if not plan_probes(args, self.context.world_size):
-            parallel = ParallelConfig.from_args(args)
-            if STRATEGY_REGISTRY.get(parallel.ddp_backend).builds_deferred(parallel):
-                return build_deferred(lambda: self.task.build_model(args))
-        return self.task.build_model(args)
-
-    def _check_criterion(self, model: torch.nn.Module, criterion: torch.nn.Module, dummy: dict[str, Any],
-                         args: argparse.Namespace) -> None:
-        """A mismatch of criterion and task is one error line (a trial forward on one sample)."""
-        names = {"criterion": args.criterion, "task": args.task, "arch": args.arch}
-        check_criterion_fits(model, criterion, dummy, names)
-
-    def _make_plan(self, args: argparse.Namespace, model: torch.nn.Module,
-                   criterion: torch.nn.Module) -> tuple[JobPlan, argparse.Namespace]:
-        """The job's plan (probing this rank's micro-batch where it is ``auto``), and the options it resolves."""
-        units = model.sharding_units() if isinstance(model, HetfairModel) else []
-        recipe = OPTIMIZER_REGISTRY.get(args.optimizer)
-        planner = Planner(args, self.context, model, criterion, longest_sample_batches(self.train_data,
-                                                                                       self.task.collater),
-                          len(self.train_data), self.task.max_positions(), units,
-                          lambda params: recipe.build(args, params))
-        return planner.plan()
-
-    def _show_plan(self) -> None:
-        """The ``plan |`` table, where anything was ``auto`` or for ``--dry-run``."""
-        if not (self.plan.automatic or self.args.dry_run):
-            return
-        step = self.shape.step_size
-        split = self.balancer.split if self.balancer is not None else split_counts(step, self.caps, self.caps)
-        for line in self.plan.lines(self.caps, [count / step for count in split]):
-            self._notice(line)
-        if self.args.dry_run:
-            self._notice("dry run | the plan above; nothing was trained or written (drop --dry-run to train)")
-
-    def _check_schedule_length(self) -> None:
-        """Warn where ``--total-num-update`` is not about the updates this run will make."""
+    def _check_schedule_length(self, scheduled_updates: int) -> None:
+        """Warn where ``--total-num-update`` (``scheduled_updates``) is not about the updates this run will make."""
         loop = self.config.loop
-        warning = schedule_length_warning(getattr(self.args, "total_num_update", 0), loop.max_update,
+        warning = schedule_length_warning(scheduled_updates, loop.max_update,
                                           loop.max_epoch, len(self.train_data), self.nominal_shape.update_size)
         if warning is not None and self.context.is_master:
             print(f"hetfair-train: warning: {warning}", file=sys.stderr, flush=True)
@@ -274,7 +216,7 @@ class TrainingRun:
     def _agree(self) -> JobFacts:
         """The one start-up exchange: every rank's precision and batch sizes; the shared settings checked."""
         config, data = self.config, self.config.data
-        given = self.args.memory_budget
+        given = config.memory.budget
         budget = given if given is not None else device_budget(self.context.device)
         own = RankFacts(config.precision.precision, local_capacity(data, self.task, data.max_sentences),
                         local_capacity(data, self.task, data.max_sentences_valid or data.max_sentences),
@@ -283,11 +225,10 @@ class TrainingRun:
                         budget, given is None and budget is not None)
         return agree_at_start_up(self.context, own)
 
-    def _check_memory_fit(self, param_bytes: int, budgets: list[Optional[int]]) -> None:
-        """Refuse a plan where some rank's share of the state does not fit its budget (the same on every rank)."""
+    def _check_memory_fit(self, param_bytes: int, ratio: float, budgets: list[Optional[int]]) -> None:
+        """Refuse a plan where some rank's share of the state (``ratio``: the optimizer's per parameter byte) does not
+        fit its budget (the same on every rank)."""
         strategy = self.trainer.strategy
-        recipe = OPTIMIZER_REGISTRY.get(self.args.optimizer)
-        ratio = optimizer_state_ratio(lambda params: recipe.torch_class(params, **recipe.torch_kwargs(self.args)))
         shares = [strategy.state_shares(rank) for rank in range(self.context.world_size)]
         size = StateSize(param_bytes, ratio, strategy.largest_gathered_unit_bytes())
         check_fit(size, shares, budgets, strategy.takes_shard_fractions, self.context.device.type == "cuda")
@@ -335,224 +276,6 @@ class TrainingRun:
         self.shape = fit_shape(data, nominal, self.caps, steps_free)
         self.balancer = self._new_balancer()
 
-    # -- the loop ----------------------------------------------------------------
-    def run(self) -> None:
-        """Train to the end, or until preempted (then raise :class:`Preempted`); every save is on disk after it."""
-        if self.should_stop():
-            self._notice(self._nothing_to_do())
-            return
-        try:
-            while not self.should_stop():
-                self.train_epoch()
-            self.preemption.close()
-        finally:
-            self.progress.end_epoch()
-            self.tensorboard.close()
-            self.checkpointer.close()  # the last save is complete (or its error raised) before the process ends
-        if self.preempted:
-            raise Preempted(self._preemption_detail(), self._preemption_cause())
-        self._summarize()
-
-    def should_stop(self) -> bool:
-        """The stopping rule: preempted, ``--max-update`` updates done, or every epoch up to ``--max-epoch`` done."""
-        loop = self.config.loop
-        if self.preempted:
-            return True
-        if loop.max_update and self.trainer.num_updates >= loop.max_update:
-            return True
-        return bool(loop.max_epoch) and self.position.epoch > loop.max_epoch
-
-    def _stop_reason(self) -> str:
-        """The limit :meth:`should_stop` hit, as the flag that set it: ``--max-update 500``."""
-        loop = self.config.loop
-        if loop.max_update and self.trainer.num_updates >= loop.max_update:
-            return f"--max-update {loop.max_update}"
-        return f"--max-epoch {loop.max_epoch}"
-
-    def _nothing_to_do(self) -> str:
-        reason = self._stop_reason()
-        source = f" ({self.restored_from} has {self.trainer.num_updates} updates)" if self.restored_from else ""
-        return f"nothing to do: {reason} reached{source}; raise {reason.split()[0]} to train further"
-
-    def train_epoch(self) -> None:
-        """Train the rest of the current epoch; unless training stops inside it, end it."""
-        self.task.begin_epoch(self.position.epoch)
-        updates = self._epoch_updates()
-        self.progress.start_epoch(self.position.epoch, updates.steps_left(), 0)
-        self.interval.reset()  # a train_inner line never spans two epochs
-        self.stopwatch.restart()
-        for update in updates:
-            updates_before = self.trainer.num_updates
-            self.train_update(update)
-            self.checkpointer.check()  # a background save that failed stops training here
-            self.preempted = self.preemption.poll()
-            end_of_epoch = self.position.samples_done >= len(self.train_data)
-            skipped = self.trainer.num_updates == updates_before
-            if skipped and not self.preempted:  # skipped (fp16 overflow): nothing new is due
-                self._regroup_if_wanted()
-                if end_of_epoch:
-                    break
-                continue
-            stopping = self.should_stop()
-            self.after_update(stopping, end_of_epoch)
-            if not stopping:
-                self._regroup_if_wanted()
-            if end_of_epoch:
-                break  # end_epoch() logs the epoch, validates and saves
-            if stopping:
-                return
-        self.progress.end_epoch()
-        self.end_epoch()
-
-    def _regroup_if_wanted(self) -> None:
-        if self.preemption.regroup:
-            raise Regroup()
-
-    def _epoch_updates(self) -> EpochUpdates:
-        schedule = EpochSchedule(self.caps, self.shape, self.config.loop.seed)
-        return EpochUpdates(self.train_data, self.task.collater, schedule, self.context.rank, self.position.epoch,
-                            start=self.position.samples_done, split=self._current_split,
-                            num_workers=self.config.data.num_workers, pin_memory=self.context.device.type == "cuda")
-
-    def _current_split(self) -> Optional[list[int]]:
-        """The per-rank shares of each global batch: the balancer's, else proportional to the batch sizes."""
-        return list(self.balancer.split) if self.balancer is not None else None
-
-    def train_update(self, update: Update) -> None:
-        """One update (or one skipped for an fp16 overflow: the data moves on either way); its
-        statistics go to the meters and the balancer (which may move the split)."""
-        if self._shards_to_report and self._memory_table_wanted and self._memory_to_report is None:
-            self._memory_to_report = FirstUpdateMemory(self.context.device, self.trainer.optimizer)
-        result = self.trainer.train_step(update.micro_batches)
-        seconds = self.stopwatch.lap()
-        self.position.samples_done += update.global_samples
-        if result is not None:
-            if self._shards_to_report and not result.skipped:
-                if self._memory_table_wanted:
-                    self._report_memory(result.samples[self.context.rank])
-                self._report_optimizer_shards()
-            self.interval.add(result, seconds)
-            self.epoch_stats.add(result, seconds)
-            self._rebalance(result)
-            self._advise_comm(result)
-        # the bar's loss: of the updates since the last train_inner line, from the stats already synced
-        self.progress.step(len(update.micro_batches), self.interval.criterion_metrics)
-
-    def _rebalance(self, result: UpdateResult) -> None:
-        """Show the balancer this update's per-rank timings and log a new split."""
-        if self.balancer is None:
-            return
-        split = self.balancer.observe(result.timed_samples, result.compute_seconds)
-        if split is not None:
-            self._log("balance", {f"split{rank}": count for rank, count in enumerate(split)})
-
-    def _measure_link(self) -> Optional[CommAdvisor]:
-        """Time one all-reduce of the gradients' size (a collective), for the ``comm |`` line; where the
-        strategy's gradients travel in one (a replicated run of several processes)."""
-        if self.comm is None:
-            return None
-        link = LinkMeasurement(self.comm.gradient_bytes, self.comm.time_all_reduce(),
-                               self.comm.powersgd_bytes(self.config.parallel.powersgd_rank),
-                               len(gather_layout(self.context)))
-        kept = self.comm.mode if self.comm.requested == "auto" and self.comm.mode != "none" else None
-        return CommAdvisor(link, self.comm.requested, kept)
-
-    def _advise_comm(self, result: UpdateResult) -> None:
-        """Once the compute time is known: log the ``comm |`` line; with ``auto``, switch to its choice."""
-        advice = self.comm_advisor.observe(result.compute_seconds) if self.comm_advisor else None
-        if advice is not None and self.comm is not None:
-            self.comm.select(advice.chosen)
-            self._notice(advice.line())
-
-    def _report_memory(self, samples: float) -> None:
-        """The ``memory |`` table of the first update, and a warning for each rank past its budget (a collective)."""
-        assert self._memory_to_report is not None
-        own = self._memory_to_report.finish(self.trainer.strategy, self.trainer.optimizer, self.budget, samples,
-                                            self._can_checkpoint)
-        rows = gather_rows(self.context, own)
-        warnings = over_budget_lines(rows, self.context.device.type, self.trainer.strategy.takes_shard_fractions)
-        for line in table_lines(rows) + warnings:
-            self._notice(line)
-
-    def _report_optimizer_shards(self) -> None:
-        """Log each rank's shard and optimizer-state bytes once, after the first update (a collective where
-        the strategy shards them)."""
-        self._shards_to_report = False
-        report = self.trainer.strategy.shard_report(self.trainer.optimizer)
-        if report:
-            self.progress.log("zero", report, self.position.epoch, self.trainer.num_updates)
-
-    # -- what is due between updates and after epochs ----------------------------------
-    def after_update(self, stopping: bool, end_of_epoch: bool = False) -> None:
-        """Log every ``--log-interval`` updates and at the end of an epoch or run; inside an epoch,
-        validate and save as the ``--*-interval-updates`` say (all of them when ``stopping``, but
-        a preempted run only saves)."""
-        loop, num_updates = self.config.loop, self.trainer.num_updates
-        if num_updates % loop.log_interval == 0 or end_of_epoch or stopping:
-            self._log("train_inner", self.interval.metrics())
-            self.interval.reset()
-        if end_of_epoch:
-            return  # end_epoch() validates and saves
-        validating = (stopping and not self.preempted) or _every(loop.validate_interval_updates, num_updates)
-        saving = stopping or _every(self.config.checkpoint.save_interval_updates, num_updates)
-        if validating or saving:
-            self.trainer.synchronize()  # every rank validates and saves the same model (an outer loop's round ends)
-        valid_metric = self.validate() if validating else None
-        if saving:
-            self.checkpointer.save(self.position.epoch, num_updates, end_of_epoch=False, valid_metric=valid_metric)
-        if stopping:
-            self._log("train", self.epoch_stats.metrics())
-        self.stopwatch.restart()  # validating and saving are not the next update's time
-
-    def end_epoch(self) -> None:
-        """Log the epoch, validate when due, step the epoch schedule, move to the next epoch and save."""
-        finished_epoch = self.position.epoch
-        self.trainer.synchronize()
-        self._log("train", self.epoch_stats.metrics())
-        self.epoch_stats.reset()
-        valid_metric = None
-        if finished_epoch % self.config.loop.validate_interval == 0 or self._is_last_epoch(finished_epoch):
-            valid_metric = self.validate()
-        self.trainer.lr_scheduler.step_epoch(finished_epoch, valid_metric)
-        self.position.epoch, self.position.samples_done = finished_epoch + 1, 0
-        self.checkpointer.save(finished_epoch, self.trainer.num_updates, end_of_epoch=True, valid_metric=valid_metric)
-
-    def _is_last_epoch(self, epoch: int) -> bool:
-        loop = self.config.loop
-        return (bool(loop.max_epoch) and epoch >= loop.max_epoch) or (
-            bool(loop.max_update) and self.trainer.num_updates >= loop.max_update
-        )
-
-    # -- validation -----------------------------------------------------------------
-    def validate(self) -> Optional[float]:
-        """Validate on every ``--valid-subset``; return the first one's best-checkpoint metric."""
-        if self.config.loop.disable_validation:
-            return None
-        first_metric = None
-        for subset in self.config.loop.valid_subsets:
-            metrics = self.validator.metrics(subset)
-            self._log(subset, metrics)
-            if first_metric is None:
-                first_metric = self._best_metric(metrics)
-        return first_metric
-
-    def _check_best_metric_exists(self) -> None:
-        """Fail at start-up, not after an epoch, when the best-checkpoint metric is not reported."""
-        if self.config.loop.disable_validation or self.config.checkpoint.no_save:
-            return
-        keys = self.validator.log_keys(self.config.loop.valid_subsets[0])
-        self._best_metric(self.trainer.criterion.reduce_metrics(dict.fromkeys(keys, 0.0)))
-
-    def _best_metric(self, metrics: dict[str, float]) -> float:
-        name = self.config.loop.best_checkpoint_metric
-        if name not in metrics:
-            raise ConfigError(
-                f"--best-checkpoint-metric {name} is not reported by the criterion; choose one of: "
-                f"{', '.join(sorted(metrics))}"
-            )
-        return metrics[name]
-
-    # -- checkpoints --------------------------------------------------------------------
     def _restore(self) -> Optional[Path]:
         """Resume from the checkpoint, if any; say so, and which optimizer settings the command line changed.
         With a ``resume_state`` (live recovery) from that, silently: the live driver says where it came from."""
@@ -564,7 +287,7 @@ class TrainingRun:
             self._say_what_no_save_leaves_alone()
             return None
         if self.comm_part is not None and not self.comm_part.loaded:
-            self.comm_part.load_state_dict({})  # a checkpoint without PowerSGD state: says it starts afresh
+            self.comm_part.load_state_dict({})  # a checkpoint without the hooks' state: each says it starts afresh
         self.progress.log("restore", {"samples_done": self.position.samples_done}, self.position.epoch,
                           self.trainer.num_updates)
         changed = self.trainer.optimizer_overrides
@@ -572,91 +295,3 @@ class TrainingRun:
             self._notice("restore | optimizer settings from the command line replace the checkpoint's: " + ", ".join(
                 f"{name} {new} (was {old})" for name, (old, new) in changed.items()))
         return path
-
-    def _say_what_no_save_leaves_alone(self) -> None:
-        config = self.checkpointer.config
-        last = config.restore_path()
-        if not config.resumes() and last.is_file():
-            self._notice(f"restore | not resuming from {last}: a --no-save run starts afresh "
-                         f"(--restore-file {last} resumes from it)")
-
-    def _preemption_detail(self) -> str:
-        saved = ("no checkpoint written (--no-save)" if self.checkpointer.config.no_save else
-                 f"saved {self.checkpointer.config.save_dir / 'checkpoint_last.pt'}; run the same command to resume")
-        return f"stopped after update {self.trainer.num_updates} (epoch {self.position.epoch}); {saved}"
-
-    @staticmethod
-    def _preemption_cause() -> str:
-        signum = requested_by()
-        return signal.Signals(signum).name if signum is not None else "a signal to another rank"
-
-    # -- logging -----------------------------------------------------------------------
-    def _notice(self, line: str) -> None:
-        if self.context.is_master:
-            self.progress.info(line)
-
-    def _log(self, phase: str, metrics: dict[str, float]) -> None:
-        if not metrics:
-            return
-        if phase.startswith("train"):
-            metrics = {**metrics, "wall": self.clock.seconds()}
-        self.progress.log(phase, metrics, self.position.epoch, self.trainer.num_updates)
-        self.tensorboard.log(phase, metrics, self.trainer.num_updates)
-
-    def _summarize(self) -> None:
-        """The end-of-run line: updates, epochs, wall time, best metric and where the checkpoints are."""
-        position, checkpoints = self.position, self.checkpointer
-        epochs = str(position.epoch - 1) if position.samples_done == 0 else \
-            f"{position.epoch - 1 + position.samples_done / len(self.train_data):.2f}"
-        fields = [f"num_updates {self.trainer.num_updates}", f"epochs {epochs}",
-                  f"wall {timedelta(seconds=round(self.clock.seconds()))}"]
-        if checkpoints.best_metric is not None:
-            name = self.config.loop.best_checkpoint_metric
-            fields.append(f"best {name} {format_metric(name, checkpoints.best_metric)} "
-                          f"({checkpoints.config.save_dir / 'checkpoint_best.pt'})")
-        if not checkpoints.config.no_save:
-            fields.append(f"last {checkpoints.config.save_dir / 'checkpoint_last.pt'}")
-        self._notice("done | " + " | ".join(fields))
-        if self.tensorboard.logdir is not None:
-            self._notice(f"TensorBoard logs are in {self.tensorboard.logdir}; "
-                         f"view them with: tensorboard --logdir {self.tensorboard.logdir}")
-
-    def _announce(self, whole_parameters: int) -> None:
-        """The ``setup |`` lines: ``parameters`` counts the whole model, ``rank0_parameters`` (where the state is
-        sharded) the elements rank 0 holds of it."""
-        if not self.context.is_master:
-            return
-        strategy = self.trainer.strategy
-        held = sum(t.numel() for t in strategy.local_tensors(list(self.trainer.model.parameters())))
-        counts = {"parameters": whole_parameters, **({"rank0_parameters": held} if held != whole_parameters else {})}
-        self.progress.log("setup", {**counts, "world_size": self.context.world_size,
-                                    "global_batch": self.nominal_shape.step_size,
-                                    "train_samples": len(self.train_data)},
-                          self.position.epoch, self.trainer.num_updates)
-        caps = ", ".join(f"rank {r}: {c}" for r, c in enumerate(self.caps))
-        precisions = ", ".join(f"rank {r}: {p}" for r, p in enumerate(self.precisions))
-        scaler = self.trainer.loss_scaler
-        scaling = f" | loss scale {scaler.scale:g}" if scaler is not None else ""
-        # e.g. BERT's --init-from-hf directory or --config_file decides the size, not --arch
-        init_from, config_file = getattr(self.args, "init_from_hf", None), getattr(self.args, "config_file", None)
-        shape = f"init-from-hf {init_from}" if init_from else f"config {config_file}" if config_file else \
-            f"arch {self.args.arch}"
-        self.progress.info(f"setup | model {self.args.model} ({shape}) | task {self.args.task} | "
-                           f"per-rank batch {caps} | per-rank precision {precisions}{scaling} | "
-                           f"device {self.context.device}")
-        nominal = self.nominal_shape
-        if self.shape.steps_per_update < nominal.steps_per_update:
-            self.progress.info(f"batch | these processes hold {sum(self.caps)} samples together: each update of "
-                               f"{nominal.update_size} samples takes {self.shape.steps_per_update} step(s) of up to "
-                               f"{self.shape.step_size} (--update-freq {nominal.steps_per_update} lowered to "
-                               f"{self.shape.steps_per_update})")
-        elif self.shape != nominal:
-            self.progress.info(f"batch | the global batch of {nominal.step_size} does not fit in one step of these "
-                               f"processes ({sum(self.caps)} samples together): each update of {nominal.update_size} "
-                               f"samples takes {self.shape.steps_per_update} steps of up to {self.shape.step_size} "
-                               f"(--update-freq {nominal.steps_per_update} raised to {self.shape.steps_per_update})")
-
-
-def _every(interval: int, num_updates: int) -> bool:
-    """True every ``interval`` updates (never for 0: off)."""
-    return interval > 0 and num_updates % interval == 0
