@@ -3,7 +3,7 @@
 from hetfair.criteria import register_criterion
 from hetfair.models import register_model, register_model_architecture
 from hetfair.optim import register_lr_scheduler, register_optimizer
-from hetfair.parallel import register_strategy
+from hetfair.parallel import register_comm_hook, register_strategy
 from hetfair.tasks import register_task
 
 __version__ = "0.1.0"
@@ -27,5 +27,6 @@ __all__ = [
     "register_optimizer",
     "register_lr_scheduler",
     "register_strategy",
+    "register_comm_hook",
     "__version__",
 ]

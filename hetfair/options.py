@@ -22,8 +22,9 @@ from hetfair.errors import ConfigError, HetfairError
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, arch_names, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.optim.implementation import IMPLEMENTATIONS
-from hetfair.parallel import (COMM_HOOK_FLAGS, COMM_HOOKS, STRATEGY_REGISTRY, ZERO_SHARDING_FLAGS, ParallelConfig,
-                              check_strategy_options)
+from hetfair.parallel import (STRATEGY_REGISTRY, ZERO_SHARDING_FLAGS, ZERO_SHARDINGS, ParallelConfig,
+                              check_strategy_options, plan_candidates)
+from hetfair.parallel.comm_hook import comm_hook_choices, comm_hook_flags, loadable_hooks
 from hetfair.plugins import import_user_dir
 from hetfair.memory.sizes import format_size, parse_size
 from hetfair.plan import AUTO
@@ -87,8 +88,9 @@ MAX_MEMORY_BUDGET = 64 << 40
 class FlagOwner:
     """A mode, chosen by giving ``selector`` the value ``value`` (``True``: the switch ``selector`` itself), and the
     flags that mean something only in it: given without it (or another owner of theirs), they are refused
-    (:func:`check_owned_flags`). Strategies declare theirs as ``owned_flags``, the comm hooks and ZeRO in
-    :mod:`hetfair.parallel.config`, live recovery and load balancing next to their flags below."""
+    (:func:`check_owned_flags`). Strategies declare theirs as ``owned_flags``, each comm hook the flags its
+    ``add_args`` adds, ZeRO in :mod:`hetfair.parallel.config`, live recovery and load balancing next to their
+    flags below."""
 
     selector: str
     value: Any
@@ -334,21 +336,24 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
             type=PerProcessValues(_whole_number, "activation_checkpointing", int, "0 or 1"),
             help="1: recompute each sharding unit's activations in the backward instead of keeping them (less "
                  "memory, one more forward per unit; exact); one value per process of this command, e.g. 1,0")
-    group.add_argument("--zero-sharding", choices=("none", "os"), default="none",
+    group.add_argument("--zero-sharding", choices=ZERO_SHARDINGS, default="none",
                        help="os: shard optimizer state across ranks (ZeRO stage 1); "
                             "each rank updates its shard and broadcasts it")
     group.add_argument("--zero-shard-weights", metavar="W0,W1,...",
                        help="with --zero-sharding os: one weight per rank (e.g. GPU memory); a rank's "
                             "shard grows in proportion (default: from --memory-budget, else equal shards)")
-    group.add_argument("--ddp-comm-hook", choices=COMM_HOOKS, default="none",
+    group.add_argument("--ddp-comm-hook", metavar="NAME", default="none",
                        help="with c10d: how DDP communicates gradients; none: the exact fp32 all-reduce; "
                             "fp16/bf16 (lossy): compressed to half precision; powersgd (lossy): low-rank "
                             "PowerSGD with error feedback; auto: measure link and compute, then choose "
-                            "(see the comm | line)")
-    _option(group, "--powersgd-rank", bounds=Bounds(1), type=int, default=1, metavar="R",
-            help="with --ddp-comm-hook powersgd/auto: rank of PowerSGD's low-rank approximation")
-    _option(group, "--powersgd-start-update", bounds=Bounds(2), type=int, default=1000, metavar="N",
-            help="with --ddp-comm-hook powersgd/auto: the first N updates are exact all-reduces")
+                            f"(see the comm | line); one of: {_known(comm_hook_choices())}")
+
+
+def add_comm_hook_args(parser: argparse.ArgumentParser) -> None:
+    """Each comm hook's own flags, with the chosen components' (every hook that loads, imported then: given with
+    another hook, its flags are one error line)."""
+    for name, hook in loadable_hooks().items():
+        _add_component_flags(parser, f"comm hook '{name}'", hook)
 
 
 AUTO_BALANCE = FlagOwner("--auto-balance", True, ("--balance-warmup-updates", "--balance-interval",
@@ -492,7 +497,8 @@ def _arch_source(arch: str) -> str:
 
 
 def add_chosen_components(parser: argparse.ArgumentParser, chosen: argparse.Namespace) -> str:
-    """Add the flags and defaults of the task, arch, criterion, optimizer and scheduler ``chosen`` names.
+    """Add the flags and defaults of the task, arch, criterion, optimizer and scheduler ``chosen`` names (and
+    the comm hooks' flags, :func:`add_comm_hook_args`).
 
     Returns the model that ``chosen.arch`` belongs to.
     """
@@ -505,6 +511,7 @@ def add_chosen_components(parser: argparse.ArgumentParser, chosen: argparse.Name
     _add_component_flags(parser, f"optimizer '{chosen.optimizer}'", OPTIMIZER_REGISTRY.get(chosen.optimizer))
     _add_component_flags(parser, f"lr scheduler '{chosen.lr_scheduler}'",
                          LR_SCHEDULER_REGISTRY.get(chosen.lr_scheduler))
+    add_comm_hook_args(parser)
     _set_defaults(parser, arch_defaults, f"architecture '{chosen.arch}' [{_arch_source(chosen.arch)}]")
     return model_name
 
@@ -550,7 +557,7 @@ def _check_parallel(args: argparse.Namespace, parser: argparse.ArgumentParser, a
     if config.ddp_backend != AUTO:
         _check_backend(args, parser, argv, config)
         return
-    for backend in ("c10d", "fully_sharded"):
+    for backend in plan_candidates():
         try:
             _check_backend(argparse.Namespace(**{**vars(args), "ddp_backend": backend}), parser, argv,
                            replace(config, ddp_backend=backend))
@@ -578,7 +585,7 @@ def flag_owners() -> list[FlagOwner]:
     """Every mode that owns flags: each strategy (``--ddp-backend``), comm hook, ZeRO mode, live recovery and
     load balancing."""
     strategies = [FlagOwner("--ddp-backend", name, strategy.owned_flags) for name, strategy in _strategies()]
-    hooks = [FlagOwner("--ddp-comm-hook", hook, flags) for hook, flags in COMM_HOOK_FLAGS.items()]
+    hooks = [FlagOwner("--ddp-comm-hook", hook, flags) for hook, flags in comm_hook_flags().items()]
     zero = [FlagOwner("--zero-sharding", mode, flags) for mode, flags in ZERO_SHARDING_FLAGS.items()]
     return [*strategies, *hooks, *zero, LIVE_RECOVERY, AUTO_BALANCE]
 

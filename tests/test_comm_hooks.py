@@ -22,7 +22,8 @@ import torch.nn.functional as F
 from helpers import TOY_PLUGIN, final_parameters, free_port, rank_flags, run_nodes, subprocess_env, train_command
 from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.launch.rendezvous import SECRET_ENV
-from hetfair.parallel.comm_advice import BOUND_RATIO, CommAdvisor, LinkMeasurement, advise
+from comm_reference import builtin_link as LinkMeasurement
+from hetfair.parallel.comm_advice import BOUND_RATIO, CommAdvisor, advise
 from hetfair_cli.train import main as train_main
 from toy_plugin import Blobs, ToyMLP
 from toy_reference import LR, SEED, TRAIN_SIZE, toy_train_args

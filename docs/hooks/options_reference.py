@@ -18,6 +18,7 @@ from hetfair.criteria import CRITERION_REGISTRY
 from hetfair.models import ARCH_REGISTRY, MODEL_REGISTRY, resolve_arch
 from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.options import build_parser as train_parser
+from hetfair.parallel import COMM_HOOK_REGISTRY
 from hetfair.registry import Registry
 from hetfair.tasks import TASK_REGISTRY
 from hetfair_cli.export import build_parser as export_parser
@@ -42,11 +43,12 @@ VARIANTS: dict[str, dict[str, Callable[[], argparse.ArgumentParser]]] = {
         "hetfair-preprocess --task language_modeling": lambda: preprocess_parser("language_modeling")},
 }
 COMPONENT_REGISTRIES: tuple[Registry[Any], ...] = (
-    TASK_REGISTRY, MODEL_REGISTRY, CRITERION_REGISTRY, OPTIMIZER_REGISTRY, LR_SCHEDULER_REGISTRY)
+    TASK_REGISTRY, MODEL_REGISTRY, CRITERION_REGISTRY, OPTIMIZER_REGISTRY, LR_SCHEDULER_REGISTRY, COMM_HOOK_REGISTRY)
 # The flags that choose a component: their --help lists what is installed, the reference what is built in.
 CHOOSERS: dict[str, tuple[Registry[Any], ...]] = {
     "task": (TASK_REGISTRY,), "arch": (ARCH_REGISTRY, MODEL_REGISTRY), "criterion": (CRITERION_REGISTRY,),
-    "optimizer": (OPTIMIZER_REGISTRY,), "lr_scheduler": (LR_SCHEDULER_REGISTRY,)}
+    "optimizer": (OPTIMIZER_REGISTRY,), "lr_scheduler": (LR_SCHEDULER_REGISTRY,),
+    "ddp_comm_hook": (COMM_HOOK_REGISTRY,)}
 
 
 def on_page_markdown(markdown: str, page: Any, **_: Any) -> str:
@@ -132,7 +134,8 @@ def one_line(text: str) -> str:
 def render_components() -> str:
     """The built-in components of ``hetfair-train``: their own flags, the defaults they set, the archs."""
     parts = ["## Built-in components of `hetfair-train`",
-             "Each chosen component adds its own flags to `hetfair-train` (and to its `--help`)."]
+             "Each chosen component adds its own flags to `hetfair-train` (and to its `--help`); every comm hook "
+             "adds its flags with them, refused with another `--ddp-comm-hook`."]
     for registry in COMPONENT_REGISTRIES:
         for name in builtin_names(registry):
             parts.append(render_component(registry, name))

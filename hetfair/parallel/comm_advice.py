@@ -5,19 +5,20 @@ shared); the trainer measures each rank's compute seconds per update anyway. Wit
 those, :func:`advise` applies the rule below, the same on every rank (every number
 it reads is the same on every rank), and the run logs it in one ``comm |`` line.
 
-The rule: the exact fp32 all-reduce of ``B`` bytes takes ``t`` (measured); a mode
-that sends ``b`` bytes is predicted to take ``t * b / B`` (bandwidth-bound links:
-latency ignored). The run is *bandwidth-bound* when its ranks sit on more than one
-node (:mod:`hetfair.parallel.nodes`: their traffic crosses a network link) and ``t``
-is at least :data:`BOUND_RATIO` of the compute time of an update (the slowest rank's):
+The rule: the exact fp32 all-reduce of ``B`` bytes takes ``t`` (measured); a hook
+that sends ``b`` bytes (its declared cost ``b / B``, :meth:`CommHook.sent_fraction`)
+is predicted to take ``t * b / B`` (bandwidth-bound links: latency ignored). The run is
+*bandwidth-bound* when its ranks sit on more than one node (:mod:`hetfair.parallel.nodes`: their
+traffic crosses a network link) and ``t`` is at least :data:`BOUND_RATIO` of the compute time of an update (the slowest rank's):
 DDP overlaps the all-reduce with the backward pass, about that share of the compute,
 so a longer one shows in the update time. Ranks of one node exchange gradients by
 memory copies, which no hook shortens (each costs its own compute on the same
 processors): measured on 3 loopback processes, PowerSGD was no faster at an
 all-reduce of 0.8-1.3x the compute (docs/comm-hooks.md). Not bandwidth-bound: ``none``. Bound:
-the mode predicted fastest, of bf16, fp16 and powersgd (bf16 before fp16 at equal
-bytes: it keeps fp32's range). ``auto`` switches that mode on and says so in the
-line; otherwise the line only suggests it. A lossy mode is always named lossy.
+the advised hook predicted fastest (built-in: bf16, fp16 and powersgd; bf16 before fp16 at
+equal bytes: it keeps fp32's range; each hook declares its place, :attr:`CommHook.tie_order`).
+``auto`` switches that hook on and says so in the line; otherwise the line only suggests it.
+A lossy hook is always named lossy.
 """
 
 from __future__ import annotations
@@ -31,22 +32,34 @@ BOUND_RATIO = 0.5
 ADVISE_AFTER = 2
 """The compute time is that of the update attempt with this number (the first one's holds warm-up work)."""
 
-LOSSY = ("bf16", "fp16", "powersgd")
-"""The lossy modes, in order of preference at equal predicted time."""
+EXACT = "none"
+"""The exact all-reduce: the mode when not bandwidth-bound."""
+
+
+@dataclass(frozen=True)
+class HookCost:
+    """What the advice knows of one comm hook (:class:`hetfair.parallel.comm_hook.CommHook`)."""
+
+    name: str
+    sent: float
+    """Bytes it sends per update, relative to the exact all-reduce's."""
+    lossy: bool
+    advised: bool
+    """The advice may suggest it (and ``auto`` switch it on)."""
 
 
 @dataclass(frozen=True)
 class LinkMeasurement:
-    """What one start-up all-reduce told about the link."""
+    """What one start-up all-reduce told about the link, and what each hook would send over it."""
 
     gradient_bytes: int
     """Bytes the exact all-reduce sends per update (all gradients, fp32)."""
     all_reduce_seconds: float
     """Seconds of one all-reduce of ``gradient_bytes``: the slowest rank's."""
-    powersgd_bytes: int
-    """Bytes PowerSGD sends per update at this run's ``--powersgd-rank``."""
     nodes: int
     """The nodes the job's ranks sit on (1: no network link between them)."""
+    hooks: tuple[HookCost, ...]
+    """This run's hooks, in order of preference at equal predicted time."""
 
     @property
     def bandwidth(self) -> float:
@@ -55,9 +68,10 @@ class LinkMeasurement:
 
     def predicted_seconds(self, mode: str) -> float:
         """Seconds of one update's gradient communication in ``mode`` (bandwidth scaling, see the module)."""
-        sent = {"none": self.gradient_bytes, "fp16": self.gradient_bytes / 2, "bf16": self.gradient_bytes / 2,
-                "powersgd": self.powersgd_bytes}[mode]
-        return self.all_reduce_seconds * sent / max(self.gradient_bytes, 1)
+        return self.all_reduce_seconds * next(hook.sent for hook in self.hooks if hook.name == mode)
+
+    def is_lossy(self, mode: str) -> bool:
+        return any(hook.lossy for hook in self.hooks if hook.name == mode)
 
 
 @dataclass(frozen=True)
@@ -70,7 +84,7 @@ class CommAdvice:
     """``--ddp-comm-hook`` as given."""
     bound: bool
     suggested: str
-    """``none`` when not bandwidth-bound, else the lossy mode predicted fastest."""
+    """``none`` when not bandwidth-bound, else the advised hook predicted fastest."""
     chosen: str
     """The mode that runs: ``suggested`` under ``auto``, else ``requested``."""
     kept: bool = False
@@ -87,28 +101,37 @@ class CommAdvice:
     def _verdict(self) -> str:
         bound = "bandwidth-bound" if self.bound else "not bandwidth-bound"
         if self.kept:
-            return f"{bound}: auto keeps {_named(self.chosen)}, its choice before the restart"
+            return f"{bound}: auto keeps {self._named(self.chosen)}, its choice before the restart"
         if not self.bound:
             where = " (every rank on one node: no network link to spare)" if self.link.nodes == 1 else ""
             fits = f"not bandwidth-bound{where}: the exact all-reduce (none) fits"
             if self.requested == "auto":
                 return fits + "; auto keeps it"
-            return fits if self.chosen == "none" else f"{fits}; this run uses {_named(self.chosen)}"
-        fastest = f"{_named(self.suggested)}, all-reduce ~{_ms(self.link.predicted_seconds(self.suggested))}"
+            return fits if self.chosen == EXACT else f"{fits}; this run uses {self._named(self.chosen)}"
+        fastest = f"{self._named(self.suggested)}, all-reduce ~{_ms(self.link.predicted_seconds(self.suggested))}"
         if self.requested == "auto":
             return f"bandwidth-bound: auto switches on {fastest}"
         if self.chosen == self.suggested:
             return f"bandwidth-bound: this run uses the mode predicted fastest, {fastest}"
-        return f"bandwidth-bound: --ddp-comm-hook {fastest} would help; this run uses {_named(self.chosen)}"
+        return f"bandwidth-bound: --ddp-comm-hook {fastest} would help; this run uses {self._named(self.chosen)}"
+
+    def _named(self, mode: str) -> str:
+        return f"{mode} (lossy)" if self.link.is_lossy(mode) else mode
 
 
 def advise(link: LinkMeasurement, compute_seconds: float, requested: str, kept: Optional[str] = None) -> CommAdvice:
     """Apply the module's rule to the measurements; ``requested`` is ``--ddp-comm-hook``, ``kept`` the mode
     ``auto`` chose before a restart (restored from the checkpoint; it stays)."""
     bound = link.nodes > 1 and link.all_reduce_seconds >= BOUND_RATIO * compute_seconds
-    suggested = min(LOSSY, key=lambda mode: (link.predicted_seconds(mode), LOSSY.index(mode))) if bound else "none"
+    suggested = _fastest(link) if bound else EXACT
     chosen = kept or (suggested if requested == "auto" else requested)
     return CommAdvice(link, compute_seconds, requested, bound, suggested, chosen, kept is not None)
+
+
+def _fastest(link: LinkMeasurement) -> str:
+    """The advised hook predicted fastest, the earlier of equals (``none`` where no hook may be advised)."""
+    advised = [hook.name for hook in link.hooks if hook.advised]
+    return min(advised, key=lambda mode: (link.predicted_seconds(mode), advised.index(mode)), default=EXACT)
 
 
 class CommAdvisor:
@@ -131,10 +154,6 @@ class CommAdvisor:
             return None
         self.advice = advise(self.link, max(compute_seconds), self.requested, self.kept)
         return self.advice
-
-
-def _named(mode: str) -> str:
-    return f"{mode} (lossy)" if mode in LOSSY else mode
 
 
 def _megabytes(count: float) -> str:

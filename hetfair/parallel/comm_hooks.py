@@ -1,74 +1,49 @@
-"""``--ddp-comm-hook``: torch's DDP communication hooks on the replicated strategy's gradient all-reduce.
+"""``--ddp-comm-hook``: the replicated strategy's DDP communicates its gradients through a registered
+:class:`~hetfair.parallel.comm_hook.CommHook` (``none``: DDP's own exact all-reduce).
 
-``fp16``/``bf16`` are :mod:`torch.distributed.algorithms.ddp_comm_hooks.default_hooks`'
-compress hooks, ``powersgd`` is its ``powerSGD_hook`` (error feedback, warm start) after
-``--powersgd-start-update`` exact all-reduces; ``auto`` runs the exact ``allreduce_hook``
-until :mod:`hetfair.parallel.comm_advice` picks one of them. Every one of these hooks
-divides by the world size before or after summing, as DDP's own all-reduce does, so
-the trainer's ``world_size / total_sample_size`` normalisation holds unchanged.
-
-PowerSGD's state (per-rank error feedback, P/Q memory, step counter, the generator of
-its random Q) goes into the checkpoint. Torch keys it by DDP bucket, and a fresh DDP
-uses another bucket layout for its first update than after it rebuilds its buckets,
-so the state is carried over parameter by parameter when the layout changes and is
-stored that way: a resumed run continues exactly where the saved one stopped.
+``auto`` runs the exact all-reduce until :mod:`hetfair.parallel.comm_advice` picks one of the
+advised hooks; every hook it may switch on sees the buckets it does not communicate
+(:meth:`CommHook.pass_over`), and each that keeps state is saved in the checkpoint's ``comm``
+part, which also holds the hook asked for and the one in use.
 """
 
 from __future__ import annotations
 
-import logging
 import time
-from typing import Any, Callable, Optional
+from typing import Any, Callable
 
-import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
-from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd_module
-from torch.distributed.algorithms.ddp_comm_hooks.powerSGD_hook import PowerSGDState, _should_compress, powerSGD_hook
 from torch.nn.parallel import DistributedDataParallel
 
-from hetfair.parallel.collectives import all_gather_json, comm_device
+from hetfair.parallel.collectives import comm_device
+from hetfair.parallel.comm_advice import HookCost
+from hetfair.parallel.comm_hook import AUTO, EXACT, CommHook, hook_options, hooks_in_play
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
 
-_KINDS = ("error", "p", "q")
-"""PowerSGD's per-bucket memories: local error (bucket-sized), and the P and Q of each compressed gradient."""
-
-MIN_COMPRESSION_RATE = 2.0
-"""PowerSGD compresses a matrix only where that sends this many times fewer numbers (torch's default)."""
-
-ParamState = dict[int, dict[str, torch.Tensor]]
-"""PowerSGD memories by parameter index (``module.parameters()`` order) and kind."""
-
-
 class GradientComm:
-    """How one replicated rank's DDP communicates its gradients: the hook of ``--ddp-comm-hook``, its state,
+    """How one replicated rank's DDP communicates its gradients: the hooks of ``--ddp-comm-hook``, their state,
     and the link measurement that :mod:`hetfair.parallel.comm_advice` reads."""
 
     def __init__(self, ddp: DistributedDataParallel, config: ParallelConfig, context: DistributedContext) -> None:
         self.context = context
         self.requested = config.ddp_comm_hook
-        self.mode = "none" if self.requested == "auto" else self.requested
+        self.mode = EXACT if self.requested == AUTO else self.requested
         """The hook in use: ``auto`` communicates exactly until it has chosen."""
         self.params = list(ddp.module.parameters())
-        self._index = {id(param): i for i, param in enumerate(self.params)}
-        self.powersgd: Optional[PowerSGDState] = None
-        if self.requested in ("powersgd", "auto"):
-            # torch logs every bucket's allocations at INFO; the comm | line says what matters
-            logging.getLogger(powersgd_module.__name__).setLevel(logging.WARNING)
-            self.powersgd = PowerSGDState(None, matrix_approximation_rank=config.powersgd_rank,
-                                          start_powerSGD_iter=config.powersgd_start_update,
-                                          min_compression_rate=MIN_COMPRESSION_RATE)
-        self._layouts: dict[int, tuple[int, ...]] = {}  # bucket index -> its parameters, of PowerSGD's memories
-        self._loose: ParamState = {}  # memories of buckets not seen yet in the current layout
-        self._serial = dist.get_backend() == "gloo"
-        """Finish each bucket's PowerSGD before the next bucket starts. On gloo its chained all-reduces start
-        from gloo's worker threads as the previous ones complete, so with several buckets in flight two ranks
-        can start them in other orders and wait on each other for ever; one bucket at a time keeps one order
-        (the price: no overlap with the backward pass). NCCL orders them on its stream."""
-        if self.requested != "none":
+        given = dict(config.comm_options)
+        in_play = hooks_in_play(self.requested)
+        weighed = hooks_in_play(AUTO)
+        self.hooks: dict[str, CommHook] = {name: hook(hook_options(hook, given), context, self.params)
+                                           for name, hook in {**weighed, **in_play}.items()}
+        """Every hook the advice weighs (the advised ones, the exact one) and the one asked for."""
+        self.in_play = {name: self.hooks[name] for name in in_play}
+        """The hooks that may communicate in this run, by name (those that keep state are saved)."""
+        if self.requested == AUTO:
             ddp.register_comm_hook(None, self._communicate)
+        else:
+            self.hooks[self.requested].register(ddp, self._communicate)
 
     # -- the hook -------------------------------------------------------------------
     def select(self, mode: str) -> None:
@@ -78,166 +53,59 @@ class GradientComm:
     def _communicate(self, _state, bucket):  # type: ignore[no-untyped-def]
         """The registered hook (unannotated: DDP compares annotations with dist.GradBucket, and this module's
         are strings); ``bucket`` is a ``dist.GradBucket``, the result a ``Future`` of its reduced buffer."""
-        if self.mode == "fp16":
-            return default_hooks.fp16_compress_hook(None, bucket)  # type: ignore[arg-type]
-        if self.mode == "bf16":
-            return default_hooks.bf16_compress_hook(None, bucket)  # type: ignore[arg-type]
-        if self.mode == "powersgd":
-            assert self.powersgd is not None
-            self._fit_layout(bucket)
-            future = powerSGD_hook(self.powersgd, bucket)
-            if self._serial:
-                future.wait()
-            return future
-        if self.powersgd is not None:
-            self.powersgd.maybe_increase_iter(bucket)  # auto, undecided: PowerSGD's counter still counts updates
-        return default_hooks.allreduce_hook(None, bucket)  # type: ignore[arg-type]
+        active = self.hooks[self.mode]
+        for hook in self.in_play.values():
+            if hook is not active:
+                hook.pass_over(bucket)
+        return active.communicate(bucket)
 
     def discard_update(self) -> None:
-        """The update was dropped (an fp16 overflow): its non-finite error feedback and P/Q go too.
-
-        PowerSGD then starts its memories afresh, as in its first compressed update
-        (Q drawn from its generator, the same on every rank).
-        """
-        if self.powersgd is not None:
-            for memory in self._memories().values():
-                memory.clear()
-            self._loose.clear()
-
-    # -- PowerSGD's memories, bucket by bucket or parameter by parameter ----------------------
-    def _memories(self) -> dict[str, dict[int, torch.Tensor]]:
-        assert self.powersgd is not None
-        state = self.powersgd
-        return {"error": state.error_dict, "p": state.p_memory_dict, "q": state.q_memory_dict}
-
-    def _fit_layout(self, bucket: dist.GradBucket) -> None:
-        """Give ``bucket`` the memories of its parameters, also when DDP has rebuilt its buckets since."""
-        layout = tuple(self._index[id(param)] for param in bucket.parameters())
-        known = self._layouts.get(bucket.index())
-        if known == layout:
-            return
-        if known is not None:  # a new layout: every bucket's memories become per-parameter ones
-            self._loose.update(self._split_buckets())
-            for memory in self._memories().values():
-                memory.clear()
-            self._layouts.clear()
-        self._layouts[bucket.index()] = layout
-        self._join_bucket(bucket.index(), layout)
-
-    def _segments(self, layout: tuple[int, ...]) -> dict[str, list[tuple[int, int]]]:
-        """Where each parameter's memories sit in a bucket of ``layout``: ``{kind: [(param index, numel)]}``,
-        in the order ``powerSGD_hook`` lays them out (P and Q grouped by matrix shape)."""
-        assert self.powersgd is not None
-        rank, rate = self.powersgd.matrix_approximation_rank, self.powersgd.min_compression_rate
-        segments: dict[str, list[tuple[int, int]]] = {"error": [(i, self.params[i].numel()) for i in layout]}
-        by_shape: dict[tuple[int, int], list[int]] = {}
-        for i in layout:
-            rows = self.params[i].shape[0] if self.params[i].dim() else 1
-            matrix = (rows, self.params[i].numel() // rows)
-            if _should_compress(*matrix, min(*matrix, rank), rate)[0]:
-                by_shape.setdefault(matrix, []).append(i)
-        ordered = [(i, matrix) for matrix, members in by_shape.items() for i in members]
-        segments["p"] = [(i, n * min(n, m, rank)) for i, (n, m) in ordered]
-        segments["q"] = [(i, m * min(n, m, rank)) for i, (n, m) in ordered]
-        return segments
-
-    def _split_buckets(self) -> ParamState:
-        """The memories of every bucket seen, per parameter."""
-        split: ParamState = {}
-        memories = self._memories()
-        for index, layout in self._layouts.items():
-            for kind, segments in self._segments(layout).items():
-                if index not in memories[kind]:
-                    continue
-                pieces = memories[kind][index].split([numel for _, numel in segments])
-                for (param, _), piece in zip(segments, pieces, strict=True):
-                    split.setdefault(param, {})[kind] = piece.clone()
-        return split
-
-    def _join_bucket(self, index: int, layout: tuple[int, ...]) -> None:
-        """Build bucket ``index``'s memories from the loose per-parameter ones, where every piece is there."""
-        memories = self._memories()
-        for kind, segments in self._segments(layout).items():
-            pieces = [self._loose.get(param, {}).get(kind) for param, _ in segments]
-            if segments and all(piece is not None for piece in pieces):
-                memories[kind][index] = torch.cat(pieces)  # type: ignore[arg-type]
-        for param in layout:
-            self._loose.pop(param, None)
+        """The update was dropped (an fp16 overflow): each hook forgets what it left in its state."""
+        for hook in self.in_play.values():
+            hook.discard_update()
 
     # -- checkpoint state -----------------------------------------------------------------
+    @property
+    def keeps_state(self) -> bool:
+        """Whether a hook of this run has checkpoint state (the checkpoint's ``comm`` part)."""
+        return any(hook.keeps_state for hook in self.in_play.values())
+
     def state_dict(self) -> dict[str, Any]:
-        """A collective: on the master every rank's PowerSGD state (plain tensors and numbers), else ``{}``."""
-        if self.powersgd is None:
-            return {}
-        own = {**self._split_buckets(), **self._loose}
-        spec = [[param, kind, int(own[param][kind].numel())] for param in sorted(own) for kind in _KINDS
-                if kind in own[param]]
-        if any(other != spec for other in all_gather_json(self.context, spec)):
-            raise RuntimeError("PowerSGD memories differ in shape between ranks")  # they run the same steps
-        if spec:
-            flat = torch.cat([own[p][k].reshape(-1) for p, k, _ in spec])
-            gathered = self._gather(flat.to(comm_device(self.context)))
-        else:  # not compressing yet: nothing to send
-            gathered = [torch.zeros(0)] * self.context.world_size
+        """A collective: on the master the hook asked for, the one in use and each stateful hook's state, else
+        ``{}``."""
+        states = [(name, hook.state_dict()) for name, hook in self.in_play.items() if hook.keeps_state]
         if not self.context.is_master:
             return {}
-        state = self.powersgd
-        return {"hook": self.requested, "mode": self.mode, "world_size": self.context.world_size,
-                "powersgd_rank": state.matrix_approximation_rank, "iter": state.iter, "rng": _rng_state(state.rng),
-                "ranks": [_unflatten(spec, tensor.cpu()) for tensor in gathered]}
-
-    def _gather(self, flat: torch.Tensor) -> list[torch.Tensor]:
-        if not self.context.is_distributed:
-            return [flat]
-        gathered = [torch.empty_like(flat) for _ in range(self.context.world_size)] if self.context.is_master else None
-        dist.gather(flat, gathered, dst=0)
-        return gathered or []
+        merged: dict[str, Any] = {"hook": self.requested, "mode": self.mode}
+        for name, state in states:
+            clash = sorted(set(state) & set(merged))
+            if clash:
+                raise RuntimeError(f"comm hook '{name}' saves {', '.join(clash)}, which the comm part holds "
+                                   "already; the hook must give its state keys of its own")
+            merged.update(state)
+        return merged
 
     def load_state_dict(self, state: dict[str, Any], notice: Callable[[str], None]) -> None:
-        """Take this rank's part of a saved state; where it cannot continue, ``notice`` one line and start afresh."""
-        if self.powersgd is None:
-            return
-        reason = self._cannot_continue(state)
-        if reason and not (self.requested == "auto" and not state.get("ranks")):  # auto may never use PowerSGD
-            notice(f"restore | PowerSGD's error feedback starts afresh ({reason}); its first "
-                   f"{self.powersgd.start_powerSGD_iter} updates are exact all-reduces")
-            return
-        self.powersgd.iter = int(state["iter"])
-        self.powersgd.rng.set_state(_rng_tuple(state["rng"]))
-        self._loose = {param: dict(kinds) for param, kinds in state["ranks"][self.context.rank].items()}
-        self._layouts.clear()
-        for memory in self._memories().values():
-            memory.clear()
-        if self.requested == "auto" and state.get("mode") != "none":
-            self.mode = state["mode"]  # auto continues with the checkpoint's choice
-
-    def _cannot_continue(self, state: dict[str, Any]) -> Optional[str]:
-        assert self.powersgd is not None
-        if not state.get("ranks"):
-            return "the checkpoint holds none"
-        if state["world_size"] != self.context.world_size:
-            return f"the checkpoint's was of {state['world_size']} ranks, this run has {self.context.world_size}"
-        if state["powersgd_rank"] != self.powersgd.matrix_approximation_rank:
-            return (f"the checkpoint's was of --powersgd-rank {state['powersgd_rank']}, this run has "
-                    f"{self.powersgd.matrix_approximation_rank}")
-        return None
+        """Each stateful hook takes its part of a saved state (saying in one line where it cannot); ``auto``
+        keeps its earlier choice where that hook continues."""
+        if not state and self.requested == AUTO:
+            return  # nothing saved, and auto may never use those hooks
+        continued = {name for name, hook in self.in_play.items()
+                     if not hook.keeps_state or hook.load_state_dict(state, notice)}
+        if self.requested == AUTO and state.get("mode", EXACT) != EXACT and state["mode"] in continued:
+            self.mode = state["mode"]
 
     # -- the link ---------------------------------------------------------------------
+    def hook_costs(self) -> tuple[HookCost, ...]:
+        """What the advice weighs of each hook: its bytes per update relative to the gradient's, whether it is
+        lossy and whether it may be advised, in the advice's order of preference."""
+        ordered = sorted(self.hooks.items(), key=lambda item: (type(item[1]).tie_order, item[0]))
+        return tuple(HookCost(name, hook.sent_fraction(), hook.lossy, hook.advised) for name, hook in ordered)
+
     @property
     def gradient_bytes(self) -> int:
         """Bytes of one rank's gradients: what the exact all-reduce sends per update."""
         return sum(p.numel() * p.element_size() for p in self.params if p.requires_grad)
-
-    def powersgd_bytes(self, rank: int) -> int:
-        """Bytes PowerSGD of ``rank`` all-reduces per update: P and Q of each matrix it compresses, the rest whole."""
-        total = 0
-        for param in self.params:
-            if param.requires_grad:
-                rows = param.shape[0] if param.dim() else 1
-                matrix = (rows, param.numel() // rows)
-                compress, whole, compressed = _should_compress(*matrix, min(*matrix, rank), MIN_COMPRESSION_RATE)
-                total += (compressed if compress else whole) * param.element_size()
-        return total
 
     def time_all_reduce(self) -> float:
         """Seconds one all-reduce of the gradients' size takes, the slowest rank's (the same number on every rank).
@@ -260,26 +128,8 @@ def _now(device: torch.device) -> float:
     return time.perf_counter()
 
 
-def _unflatten(spec: list[list[Any]], flat: torch.Tensor) -> ParamState:
-    state: ParamState = {}
-    for (param, kind, _), piece in zip(spec, flat.split([numel for _, _, numel in spec]), strict=True):
-        state.setdefault(int(param), {})[kind] = piece.clone()
-    return state
-
-
-def _rng_state(rng: np.random.RandomState) -> dict[str, Any]:
-    """PowerSGD's numpy generator as plain data (``torch.load(weights_only=True)`` reads no numpy arrays)."""
-    name, keys, pos, has_gauss, gauss = rng.get_state()
-    return {"keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos), "has_gauss": int(has_gauss),
-            "gauss": float(gauss)}
-
-
-def _rng_tuple(state: dict[str, Any]) -> tuple[Any, ...]:
-    return ("MT19937", state["keys"].numpy().astype(np.uint32), state["pos"], state["has_gauss"], state["gauss"])
-
-
 class CommStatePart:
-    """The checkpoint part ``comm``: a :class:`GradientComm`'s PowerSGD state, which says in one line
+    """The checkpoint part ``comm``: a :class:`GradientComm`'s hooks' state, each of which says in one line
     (``notice``) when it cannot continue from the checkpoint and starts afresh."""
 
     def __init__(self, comm: GradientComm, notice: Callable[[str], None]) -> None:

@@ -8,13 +8,10 @@ from dataclasses import dataclass
 from typing import Any, Optional
 
 from hetfair.errors import ConfigError
+from hetfair.parallel.comm_hook import options_from_args
 
-COMM_HOOKS = ("none", "fp16", "bf16", "powersgd", "auto")
-"""``--ddp-comm-hook`` choices: how the replicated strategy's DDP communicates gradients."""
-
-COMM_HOOK_FLAGS: dict[str, tuple[str, ...]] = {"powersgd": ("--powersgd-rank", "--powersgd-start-update"),
-                                               "auto": ("--powersgd-rank", "--powersgd-start-update")}
-"""The flags each ``--ddp-comm-hook`` owns (``auto`` may choose PowerSGD): refused with any other hook."""
+ZERO_SHARDINGS = ("none", "os")
+"""``--zero-sharding`` choices: the replicated strategy's optimizer state whole on every rank, or sharded (ZeRO-1)."""
 
 ZERO_SHARDING_FLAGS: dict[str, tuple[str, ...]] = {"os": ("--zero-shard-weights",)}
 """The flags each ``--zero-sharding`` mode owns: refused with any other."""
@@ -65,11 +62,11 @@ class ParallelConfig:
     offload: bool = False
     """Fully sharded with fractions: THIS process keeps its shards and optimizer state in host memory (not shared)."""
     ddp_comm_hook: str = "none"
-    """Replicated: one of :data:`COMM_HOOKS` (``none``: DDP's own exact all-reduce)."""
-    powersgd_rank: int = 1
-    """Replicated with ``powersgd``/``auto``: the rank of PowerSGD's approximation."""
-    powersgd_start_update: int = 1000
-    """Replicated with ``powersgd``/``auto``: updates with an exact all-reduce before PowerSGD starts."""
+    """Replicated: a registered comm hook (:mod:`hetfair.parallel.comm_hook`; ``none``: DDP's own exact
+    all-reduce) or ``auto``."""
+    comm_options: tuple[tuple[str, Any], ...] = ()
+    """Every comm hook's own flags with their values (``("--powersgd-rank", 1), ...``); a flag not here takes
+    its default."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "ParallelConfig":
@@ -77,8 +74,7 @@ class ParallelConfig:
                    args.find_unused_parameters, args.bucket_cap_mb, args.outer_interval, args.outer_lr,
                    args.outer_momentum, reduce_dtype=args.reduce_dtype, shard_group_size=args.shard_group_size,
                    shard_fractions=parse_shard_fractions(args.shard_fractions),
-                   offload=bool(args.offload), ddp_comm_hook=args.ddp_comm_hook, powersgd_rank=args.powersgd_rank,
-                   powersgd_start_update=args.powersgd_start_update)
+                   offload=bool(args.offload), ddp_comm_hook=args.ddp_comm_hook, comm_options=options_from_args(args))
 
     def shared_settings(self) -> dict[str, Any]:
         """The flags every rank must be given alike (their collectives differ otherwise), by flag."""
@@ -87,5 +83,4 @@ class ParallelConfig:
                 "--outer-lr": self.outer_lr, "--outer-momentum": self.outer_momentum,
                 "--reduce-dtype": self.reduce_dtype, "--shard-group-size": self.shard_group_size,
                 "--shard-fractions": self.shard_fractions,
-                "--ddp-comm-hook": self.ddp_comm_hook, "--powersgd-rank": self.powersgd_rank,
-                "--powersgd-start-update": self.powersgd_start_update}
+                "--ddp-comm-hook": self.ddp_comm_hook, **dict(self.comm_options)}

@@ -20,6 +20,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hetfair.parallel import zero_sharding as zero
 from hetfair.parallel import register_strategy
+from hetfair.parallel.comm_hook import check_comm_hook
 from hetfair.parallel.comm_hooks import GradientComm
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.strategy import Strategy
@@ -35,6 +36,7 @@ class ReplicatedStrategy(Strategy):
     communication hook on request."""
 
     owned_flags = ("--zero-sharding", "--ddp-comm-hook", "--find-unused-parameters", "--bucket-cap-mb")
+    plan_role = "replicated"
 
     def __init__(self, config: ParallelConfig, context: "DistributedContext") -> None:
         super().__init__(config, context)
@@ -44,10 +46,22 @@ class ReplicatedStrategy(Strategy):
     def check_options(cls, config: ParallelConfig) -> None:
         if config.zero_shard_weights is not None:
             zero.parse_shard_weights(config.zero_shard_weights)
+        check_comm_hook(config)
 
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:
         zero.check_sharding(config.zero_sharding, config.zero_shard_weights, world_size)
+
+    @classmethod
+    def live_recovery_refusal(cls, config: ParallelConfig) -> Optional[str]:
+        if cls.takes_shard_weights(config):
+            return ("--zero-sharding os: a lost rank's optimizer shard cannot be rebuilt from the others; "
+                    "drop --zero-sharding")
+        return None
+
+    @classmethod
+    def takes_shard_weights(cls, config: ParallelConfig) -> bool:
+        return config.zero_sharding != "none"
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if not self.context.is_distributed:
