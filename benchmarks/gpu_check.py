@@ -1,7 +1,9 @@
-"""A ready check for a lent GPU: NCCL starts, and BERT trains in fp32, bf16 and fp16.
+"""A ready check for a lent GPU: NCCL starts, BERT trains in fp32, bf16 and fp16, and every mode of
+hetfair-train runs on the device.
 
-One CUDA device, well under 5 minutes, nothing but this repository and its PyPI
-packages (no data: the masked-LM batches are synthetic):
+One CUDA device, under 8 minutes, nothing but this repository and its PyPI
+packages (no data: the masked-LM batches and the simulated cluster's are synthetic).
+In this process:
 
 1. a one-process NCCL group initialises and all-reduces a tensor;
 2. ``--offload``: a few BERT updates on uneven sharding's engine with the shards, gradients and AdamW
@@ -24,24 +26,39 @@ packages (no data: the masked-LM batches are synthetic):
    unchanged (on CPU, the dry run holds the probe to a budget 16M above the process's
    resident memory instead).
 
+Then, as commands (:mod:`gpu_modes`, which says where each runs): the replicated run (``c10d``, the
+reference loss), ``--ddp-comm-hook`` fp16, bf16 and powersgd, ``--ddp-backend hybrid_sharded`` (2 x 2),
+``localsgd`` and ``diloco``, uneven shards (``--shard-fractions 1,3``) with ``--offload 1,0``, the automatic
+plan (``--max-sentences auto --precision auto --ddp-backend auto``, probing on the device) and live recovery
+(``--fault-tolerance live``, a lighthouse, one of two ranks killed and replaced; one rank on NCCL where the
+two are not). On one GPU the multi-rank cases share it: on NCCL where NCCL allows two processes on one
+device (tried first, ``nccl-2-on-1-gpu``), else on gloo.
+
+Each check prints its lines as it ends; one table at the end has every case's mode, backend, result
+(pass, fail, skip), key number and seconds.
+
 Usage::
 
-    python benchmarks/gpu_check.py [--arch bert_base] [--batch 64] [--updates 10]
+    python benchmarks/gpu_check.py [--arch bert_base] [--batch 64] [--updates 10] [--only NAME,...]
+    python benchmarks/gpu_check.py --list       # the cases and the commands they run, without running them
     python benchmarks/gpu_check.py --dry-run    # the same steps, tiny, on CPU with gloo (tests this script)
 
-Exit code 0 when every check passed, 1 when one failed, 2 when no CUDA device is visible.
+Exit code 0 when every check passed (or was skipped), 1 when one failed, 2 when no CUDA device is visible.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import shlex
 import socket
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Optional
+from pathlib import Path
+from typing import Any, Callable, Optional
 
 import torch
 import torch.distributed as dist
@@ -58,6 +75,9 @@ from hetfair.plan.probe import MicroBatchProbe
 from hetfair.optim import LRScheduler
 from hetfair.precision.mixed import PRECISIONS, LossScaleConfig, LossScaler
 from hetfair.trainer import Trainer, TrainerConfig
+
+import gpu_modes
+from gpu_modes import Machine, Outcome
 
 ARCHS = {"bert_tiny": bert_tiny, "bert_mini": bert_mini, "bert_small": bert_small, "bert_base": bert_base,
          "bert_large": bert_large}
@@ -259,25 +279,134 @@ def describe(setup: Setup) -> str:
             f"(sm_{major}{minor})")
 
 
-def run(setup: Setup, arch: str) -> None:
-    print(f"gpu_check | {describe(setup)}", flush=True)
-    print(f"collectives | {check_collectives(setup)} initialised for 1 process; all_reduce ok", flush=True)
-    print(f"uneven | {check_offload(setup)}", flush=True)
-    print(f"{arch} | batch {setup.batch} x {setup.length} tokens, {setup.updates} timed updates after "
-          f"{setup.warmup} warm-up (AdamW, clip 1.0, loss in fp32)", flush=True)
-    print(f"{'precision':<9} {'seq/s':>8} {'tokens/s':>10} {'loss/token first -> last':>24} {'skipped':>7} "
-          f"{'peak':>7}  published A100, BERT-large phase 1")
-    for precision in PRECISIONS:
-        if precision == "bf16" and setup.device.type == "cuda" and not torch.cuda.is_bf16_supported():
-            print(f"{precision:<9} (this GPU has no bf16)")
-            continue
-        r = train_precision(setup, precision)
-        print(f"{precision:<9} {r['seq_s']:>8.1f} {r['tokens_s']:>10.0f} {r['first_loss']:>13.3f} -> "
-              f"{r['last_loss']:<7.3f} {r['skipped']:>7d} {format_size(r['peak']):>7}  {PUBLISHED_A100[precision]}",
-              flush=True)
+class Skipped(Exception):
+    """A check that does not apply on this device."""
+
+
+@dataclass(frozen=True)
+class InProcessCheck:
+    """A check of this process: it prints its lines and returns its key number."""
+
+    name: str
+    backend: str
+    check: Callable[[Setup], str]
+
+
+class PrecisionRows:
+    """One BERT row per precision, under a header printed before the first."""
+
+    def __init__(self, arch: str) -> None:
+        self.arch = arch
+        self.headed = False
+
+    def check(self, precision: str) -> Callable[[Setup], str]:
+        def row(setup: Setup) -> str:
+            if not self.headed:
+                self.headed = True
+                print(f"{self.arch} | batch {setup.batch} x {setup.length} tokens, {setup.updates} timed updates "
+                      f"after {setup.warmup} warm-up (AdamW, clip 1.0, loss in fp32)", flush=True)
+                print(f"{'precision':<9} {'seq/s':>8} {'tokens/s':>10} {'loss/token first -> last':>24} "
+                      f"{'skipped':>7} {'peak':>7}  published A100, BERT-large phase 1")
+            if precision == "bf16" and setup.device.type == "cuda" and not torch.cuda.is_bf16_supported():
+                print(f"{precision:<9} (this GPU has no bf16)")
+                raise Skipped("this GPU has no bf16")
+            r = train_precision(setup, precision)
+            print(f"{precision:<9} {r['seq_s']:>8.1f} {r['tokens_s']:>10.0f} {r['first_loss']:>13.3f} -> "
+                  f"{r['last_loss']:<7.3f} {r['skipped']:>7d} {format_size(r['peak']):>7}  "
+                  f"{PUBLISHED_A100[precision]}", flush=True)
+            return f"{r['seq_s']:.1f} seq/s"
+        return row
+
+
+def _collectives(setup: Setup) -> str:
+    version = check_collectives(setup)
+    print(f"collectives | {version} initialised for 1 process; all_reduce ok", flush=True)
+    return version
+
+
+def _offload(setup: Setup) -> str:
+    line = check_offload(setup)
+    print(f"uneven | {line}", flush=True)
+    return line.split("(", 1)[1].split(")", 1)[0]  # the max diff
+
+
+def _probe(setup: Setup) -> str:
+    line = check_oom_probe(setup)
+    print(f"oom probe | {line}", flush=True)
+    return line.split(",", 1)[0]  # how many fit
+
+
+def in_process_checks(setup: Setup, arch: str) -> list[InProcessCheck]:
+    rows = PrecisionRows(arch)
+    return [InProcessCheck("collectives", setup.backend, _collectives),
+            InProcessCheck("offload", setup.backend, _offload),
+            *(InProcessCheck(f"bert-{precision}", "-", rows.check(precision)) for precision in PRECISIONS),
+            InProcessCheck("probe", "-", _probe)]
+
+
+def run_in_process(check: InProcessCheck, setup: Setup) -> Outcome:
+    """One check; a failure (of any kind: one check's crash must not hide the others' results) is its row."""
+    start = time.perf_counter()
+    outcome = Outcome(check.name, check.backend, True, "-", 0.0)
+    try:
+        outcome.key = check.check(setup)
+    except Skipped as exc:
+        outcome.passed, outcome.detail = None, str(exc)
+    except Exception as exc:  # noqa: BLE001 - reported in the table, and the exit code
+        kind = "" if isinstance(exc, CheckFailed) else f"{type(exc).__name__}: "
+        outcome.passed, outcome.detail = False, kind + (str(exc).splitlines() or [""])[0][:300]
+        print(f"{check.name} | failed: {outcome.detail}", flush=True)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
         if setup.device.type == "cuda":
             torch.cuda.empty_cache()
-    print(f"oom probe | {check_oom_probe(setup)}", flush=True)
+    outcome.seconds = time.perf_counter() - start
+    return outcome
+
+
+def machine_of(setup: Setup) -> Machine:
+    return Machine(torch.cuda.device_count()) if setup.device.type == "cuda" else Machine(0)
+
+
+def run(setup: Setup, arch: str, only: Optional[set[str]]) -> list[Outcome]:
+    """Every check (those named in ``only``, if given), in this process, then as commands."""
+    print(f"gpu_check | {describe(setup)}", flush=True)
+    outcomes = [run_in_process(check, setup) for check in in_process_checks(setup, arch)
+                if not only or check.name in only]
+    modes = [case for case in gpu_modes.cases() if not only or case.name in only]
+    machine = machine_of(setup)
+    if modes and machine.cuda and machine.gpus < max(case.ranks for case in modes):
+        pair = gpu_modes.nccl_pair_on_one_gpu(free_port())
+        print(f"{pair.mode} | {pair.key}" + (f" ({pair.detail})" if pair.detail else ""), flush=True)
+        outcomes.append(pair)
+        machine = Machine(machine.gpus, nccl_shares_gpu=pair.key.startswith("yes"))
+    with tempfile.TemporaryDirectory(prefix="gpu_check.") as workdir:
+        outcomes += gpu_modes.run_cases(modes, machine, Path(workdir))
+    return outcomes
+
+
+def table(outcomes: list[Outcome]) -> list[str]:
+    """A Markdown table, one row per check, then a line per failure or skip saying why."""
+    rows = [("mode", "backend", "result", "key number", "seconds")]
+    rows += [(o.mode, o.backend, o.result, o.key, f"{o.seconds:.1f}") for o in outcomes]
+    widths = [max(len(row[column]) for row in rows) for column in range(len(rows[0]))]
+    lines = ["| " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)) + " |" for row in rows]
+    lines.insert(1, "|" + "|".join("-" * (width + 2) for width in widths) + "|")
+    lines += [f"{o.result} | {o.mode}: {o.detail}" for o in outcomes if o.detail and o.passed is not True]
+    return lines
+
+
+def list_cases(setup: Setup, arch: str, machine: Machine, note: str) -> None:
+    """Every check's name, and each command a mode runs (``PORT``: the lighthouse's, found when it starts)."""
+    print(f"gpu_check | the checks {note}")
+    for check in in_process_checks(setup, arch):
+        print(f"{check.name} | in this process")
+    workdir = Path(tempfile.gettempdir()) / "gpu_check"
+    for case in gpu_modes.cases():
+        print(f"{case.name} | {case.backend(machine)} | {case.what}")
+        for command in case.commands(machine, workdir):
+            print(f"    {shlex.join(command)}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -287,13 +416,22 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--updates", type=int, default=10, choices=range(1, 1001), metavar="N")
     parser.add_argument("--dry-run", action="store_true",
                         help="run the same steps on CPU with gloo and a tiny BERT (a test of this script)")
+    parser.add_argument("--only", metavar="NAME[,NAME...]", help="run only these checks (see --list)")
+    parser.add_argument("--list", action="store_true", help="print the checks and their commands; run nothing")
     options = parser.parse_args(argv)
+    tiny = BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                      intermediate_size=64, max_position_embeddings=16)
+    dry = Setup(torch.device("cpu"), "gloo", tiny, batch=2, length=16, updates=1, warmup=1)
+    names = [check.name for check in in_process_checks(dry, "")] + [case.name for case in gpu_modes.cases()]
+    only = set(options.only.split(",")) if options.only else None
+    if only and only - set(names):
+        parser.error(f"--only: no check named {', '.join(sorted(only - set(names)))}; the checks: {', '.join(names)}")
     if options.dry_run:
-        tiny = BertConfig(vocab_size=200, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
-                          intermediate_size=64, max_position_embeddings=16)
-        setup = Setup(torch.device("cpu"), "gloo", tiny, batch=2, length=16, updates=1, warmup=1)
-        arch = "a tiny BERT"
+        setup, arch = dry, "a tiny BERT"
     elif not torch.cuda.is_available():
+        if options.list:
+            list_cases(dry, options.arch, Machine(1), "as on one GPU (no CUDA device is visible here)")
+            return 0
         print(f"gpu_check: error: no CUDA device is visible (torch {torch.__version__}, built for CUDA "
               f"{torch.version.cuda}); run it on the GPU machine, or pass --dry-run to try it on CPU",
               file=sys.stderr)
@@ -302,12 +440,18 @@ def main(argv: list[str] | None = None) -> int:
         setup = Setup(torch.device("cuda", 0), "nccl", BertConfig(vocab_size=VOCAB_SIZE, **ARCHS[options.arch]()),
                       options.batch, SEQUENCE_LENGTH, options.updates)
         arch = options.arch
-    try:
-        run(setup, arch)
-    except CheckFailed as exc:
-        print(f"gpu_check: failed: {exc}", file=sys.stderr)
-        return 1
-    return 0
+    if options.list:
+        list_cases(setup, arch, machine_of(setup), "on CPU (--dry-run)" if options.dry_run else
+                   f"on {torch.cuda.device_count()} GPU(s), before trying two NCCL processes on one")
+        return 0
+    start = time.perf_counter()
+    outcomes = run(setup, arch, only)
+    failed = sum(outcome.passed is False for outcome in outcomes)
+    skipped = sum(outcome.passed is None for outcome in outcomes)
+    print(f"gpu_check | {len(outcomes) - failed - skipped} passed, {failed} failed, {skipped} skipped in "
+          f"{time.perf_counter() - start:.0f} s", flush=True)
+    print("\n".join(table(outcomes)), flush=True)
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
