@@ -23,29 +23,45 @@ from hetfair.errors import PluginLoadError
 
 @dataclass(frozen=True)
 class PluginEntryPoint:
-    """One ``name = module[:attr]`` line of an installed distribution's entry points."""
+    """One ``name = module[:attr]`` line of an installed distribution's entry points, or one component of a
+    model family's spec (``family`` names it; ``_declared_by`` is the family's entry point)."""
 
     name: str
     value: str
     _entry_point: metadata.EntryPoint
+    family: str | None = None
+    _declared_by: metadata.EntryPoint | None = None
 
     @cached_property
     def distribution(self) -> str:
         """The installed distribution's name (read from its metadata only when asked: 5 ms per entry point)."""
-        dist = self._entry_point.dist
+        dist = self.installed.dist
         return dist.metadata["Name"] if dist is not None else "<unknown>"
 
     @cached_property
     def version(self) -> str:
-        dist = self._entry_point.dist
+        dist = self.installed.dist
         return dist.version if dist is not None else ""
+
+    @property
+    def installed(self) -> metadata.EntryPoint:
+        """The entry point its distribution declares: its own, or its family's."""
+        return self._declared_by if self._declared_by is not None else self._entry_point
 
     @property
     def module(self) -> str:
         return self.value.split(":", 1)[0].strip()
 
     def describe(self) -> str:
-        return f"distribution '{self.distribution}' {self.version} (entry point {self.name} = {self.value})"
+        where = f"family {self.family}: {self.name}" if self.family else f"entry point {self.name}"
+        return f"distribution '{self.distribution}' {self.version} ({where} = {self.value})"
+
+    def source(self) -> str:
+        """:meth:`describe`, shorter for hetfair's own components (registered like plugins)."""
+        if self.distribution != "hetfair":
+            return self.describe()
+        where = f"family {self.family}" if self.family else "entry point"
+        return f"built-in ({self.value.replace(':', '.').replace(' ', '')}, {where} of hetfair)"
 
     def load(self) -> Any:
         """Import the plugin; any failure becomes one :class:`PluginLoadError` line."""
@@ -62,6 +78,7 @@ class PluginEntryPoint:
 _scan_path: tuple[str, ...] | None = None
 _scanned: Any = None  # what metadata.entry_points() returned (all groups)
 _by_group: dict[str, tuple[PluginEntryPoint, ...]] = {}
+_generation = 0  # how many scans were forgotten: what is read from a scan is valid while it stays
 
 
 def clear_entry_point_cache() -> None:
@@ -70,7 +87,8 @@ def clear_entry_point_cache() -> None:
     A change of ``sys.path`` does this by itself. Call it after installing or
     removing a distribution in a directory that is already on ``sys.path``.
     """
-    global _scan_path, _scanned
+    global _scan_path, _scanned, _generation
+    _generation += 1
     _scan_path = None
     _scanned = None
     _by_group.clear()
@@ -87,6 +105,12 @@ def discover_entry_points(group: str) -> list[PluginEntryPoint]:
     if group not in _by_group:
         _by_group[group] = tuple(_wrap(ep) for ep in _scanned.select(group=group))
     return list(_by_group[group])
+
+
+def scan_generation() -> int:
+    """A number that changes whenever the scan of installed entry points is forgotten; anything derived from the
+    scan (the model families' specs) is valid while it stays the same. Call after :func:`discover_entry_points`."""
+    return _generation
 
 
 def _wrap(ep: metadata.EntryPoint) -> PluginEntryPoint:

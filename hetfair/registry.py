@@ -1,9 +1,10 @@
 """One generic registry used for every kind of pluggable component.
 
-A name can come from three places, all going through :meth:`Registry.register`:
-built-in modules of hetfair, a ``--user-dir`` package, or an entry point of an
-installed distribution. Entry points are listed without importing them and
-loaded only when their name is requested.
+A name can come from four places, all going through :meth:`Registry.register`:
+built-in modules of hetfair, a ``--user-dir`` package, an entry point of an
+installed distribution, or a model family's spec (:mod:`hetfair.families`, itself
+an entry point). Entry points and specs are listed without importing the components
+they name, which are loaded only when their name is requested.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from hetfair.errors import (
     DuplicateComponentError,
     PluginLoadError,
 )
+from hetfair.families import FAMILY_REGISTRY
 from hetfair.plugins import PluginEntryPoint, discover_entry_points
 
 T = TypeVar("T")
@@ -125,8 +127,9 @@ class Registry(Generic[T]):
                 )
             return registered.obj  # type: ignore[return-value]
         if entry_point is None:
+            broken = "".join(f"; {failure}" for failure in FAMILY_REGISTRY.failures())  # it may be theirs
             raise ComponentNotKnownError(
-                f"unknown {self.kind} '{name}'; known {self.plural}: {', '.join(self.names()) or '(none)'}"
+                f"unknown {self.kind} '{name}'; known {self.plural}: {', '.join(self.names()) or '(none)'}{broken}"
             )
         return self._load_entry_point(entry_point)
 
@@ -141,7 +144,7 @@ class Registry(Generic[T]):
         """
         self._import_builtins()
         entry_points = [ep for ep in self._entry_points() if ep.name == name]
-        found = [_describe_entry_point(ep) for ep in entry_points]
+        found = [ep.source() for ep in entry_points]
         registration = self._entries.get(name)
         if registration is not None and not any(_defined_by(ep, registration) for ep in entry_points):
             where = "built-in" if registration.module.startswith("hetfair.") else "user code"
@@ -159,9 +162,10 @@ class Registry(Generic[T]):
             importlib.import_module(module)
 
     def _entry_points(self) -> list[PluginEntryPoint]:
+        """The group's own entry points, then the components the model families' specs list for it."""
         if self.entry_point_group is None:
             return []
-        return discover_entry_points(self.entry_point_group)
+        return discover_entry_points(self.entry_point_group) + FAMILY_REGISTRY.components(self.entry_point_group)
 
     def _load_entry_point(self, entry_point: PluginEntryPoint) -> T:
         loaded = entry_point.load()
@@ -173,12 +177,6 @@ class Registry(Generic[T]):
                 f"named '{entry_point.name}'"
             )
         return self._entries[entry_point.name].obj  # type: ignore[return-value]
-
-
-def _describe_entry_point(entry_point: PluginEntryPoint) -> str:
-    if entry_point.distribution == "hetfair":  # hetfair's own components, registered like plugins
-        return f"built-in ({entry_point.value.replace(':', '.').replace(' ', '')}, entry point of hetfair)"
-    return entry_point.describe()
 
 
 def _defined_by(entry_point: PluginEntryPoint, registration: Registration) -> bool:

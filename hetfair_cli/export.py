@@ -1,15 +1,17 @@
 """``hetfair-export``: write a trained checkpoint as a Hugging Face ``transformers`` model directory.
 
-Each model family writes its own directory (:meth:`~hetfair.models.HetfairModel.export_hf`)."""
+Each model family writes its own directory: its spec's ``hf_exporter`` (:class:`~hetfair.families.FamilySpec`);
+a model registered outside a family, its own :meth:`~hetfair.models.HetfairModel.export_hf`."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 from hetfair.errors import ConfigError
+from hetfair.families import FAMILY_REGISTRY
 from hetfair.models import HetfairModel
 from hetfair.pretrained import load_model
 from hetfair.utils import check_output_dir
@@ -40,12 +42,23 @@ def _main(argv: list[str]) -> int:
         raise ConfigError(f"--to {target}: the only export format is 'hf' (Hugging Face transformers)")
     _check_outdir(outdir, args.force)
     loaded = load_model(args.path, user_dir=args.user_dir, overrides={"data": args.data})
-    model = loaded.model
-    if not isinstance(model, HetfairModel) or type(model).export_hf is HetfairModel.export_hf:
-        raise ConfigError(f"{args.path} holds a '{loaded.options.model}' model, which does not export to Hugging "
-                          f"Face (its model family defines no export_hf)")
-    print(model.export_hf(outdir, loaded.task), file=sys.stderr)
+    print(_hf_exporter(args.path, loaded.options.model, loaded.model)(loaded.model, outdir, loaded.task),
+          file=sys.stderr)
     return 0
+
+
+def _hf_exporter(path: str, name: str, model: object) -> Callable[..., str]:
+    """``exporter(model, outdir, task)`` of model ``name``: its family's, else the model's own ``export_hf``."""
+    family = FAMILY_REGISTRY.family_of("models", name)
+    if family is not None:
+        if family.spec.hf_exporter is None:
+            raise ConfigError(f"{path} holds a '{name}' model, which does not export to Hugging Face (its family "
+                              f"'{family.name}' names no hf_exporter)")
+        return family.hf_exporter()
+    if not isinstance(model, HetfairModel) or type(model).export_hf is HetfairModel.export_hf:
+        raise ConfigError(f"{path} holds a '{name}' model, which does not export to Hugging Face (it belongs to no "
+                          f"model family and defines no export_hf)")
+    return type(model).export_hf
 
 
 def _check_outdir(outdir: str, force: bool) -> None:

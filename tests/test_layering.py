@@ -4,8 +4,9 @@ The layers, top to bottom, are :data:`LAYERS`; modules of one layer may import
 each other. Every ``import`` and ``from ... import`` counts, at module level and
 inside functions, and so do constant ``importlib.import_module("...")`` calls and
 a registry's ``builtin_modules=[...]``; only ``if TYPE_CHECKING:`` blocks are
-exempt (annotations do not run). ``hetfair.bert``, ``hetfair.lm``, ``hetfair.hf_encoder`` and
-``hetfair.classification`` are plugin families, registered through entry points: besides the layering,
+exempt (annotations do not run). hetfair's own model families (``hetfair.bert``, ``hetfair.lm``,
+``hetfair.hf_encoder``, ``hetfair.classification``) are read from the family registry
+(:data:`hetfair.families.FAMILY_REGISTRY`, their ``hetfair.families`` entry points): besides the layering,
 no module outside the plugin families may import them except the console scripts (``hetfair_cli``).
 """
 
@@ -17,14 +18,23 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
+from hetfair.families import FAMILY_REGISTRY
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 PACKAGES = ("hetfair", "hetfair_cli")
+
+# Packages the engine must not import (it finds them through their family specs); a family may build on
+# another below it, as a third-party plugin may. They share one layer but those placed apart here.
+PLUGIN_FAMILIES = tuple(sorted(family.package for family in FAMILY_REGISTRY.all()
+                               if family.package.split(".")[0] in PACKAGES))
+FAMILIES_ABOVE_THE_API = ("hetfair.classification",)  # builds on the BERT family and reads checkpoints
+MAY_IMPORT_PLUGIN_FAMILIES = ("hetfair_cli",)
 
 # Top to bottom. A name stands for a module or a whole package; "hetfair" is the
 # package's own __init__ (the plugin API: hetfair.register_*), not its submodules.
 LAYERS: list[tuple[str, ...]] = [
     ("hetfair_cli",),  # console scripts
-    ("hetfair.classification",),  # a plugin family on the public API and the BERT family (see PLUGIN_FAMILIES)
+    FAMILIES_ABOVE_THE_API,  # plugin families on the public API and the families below (see PLUGIN_FAMILIES)
     ("hetfair",),  # the public API: hetfair.register_*, hetfair.load_model (imported lazily)
     ("hetfair.lm.generate",),  # sampling from a checkpoint (hetfair.load_model) of the lm family
     ("hetfair.live",),  # live recovery: a training loop per membership round
@@ -35,21 +45,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair.balance", "hetfair.logging", "hetfair.data"),  # engine services
     ("hetfair.options", "hetfair.inventory"),  # the command line's options, --list-plugins
     ("hetfair.plan", "hetfair.precision.auto"),  # the automatic per-device plan: probed micro-batches, precision, backend
-    ("hetfair.bert", "hetfair.lm", "hetfair.hf_encoder"),  # hetfair's own plugin families (see PLUGIN_FAMILIES)
+    tuple(f for f in PLUGIN_FAMILIES if f not in FAMILIES_ABOVE_THE_API),  # hetfair's own plugin families
     ("hetfair.tasks",),  # the Task base class
     ("hetfair.models", "hetfair.criteria", "hetfair.optim"),  # component base classes and registries
     ("hetfair.precision", "hetfair.compile"),  # autocast per process, the job's one loss scale; --compile
     ("hetfair.launch",),  # starting a job: rendezvous, launcher, supervisor, preemption
     ("hetfair.parallel",),  # in training: process context, collectives, stats, strategies, ZeRO, FSDP
-    ("hetfair.registry", "hetfair.plugins"),  # the generic registry, plugin discovery
+    ("hetfair.registry", "hetfair.plugins", "hetfair.families"),  # the generic registry, plugin discovery, family specs
     ("hetfair.errors", "hetfair.utils", "hetfair.rng", "hetfair.data.indexed_dataset",
      "hetfair.data.preprocess_output", "hetfair.memory", "hetfair.models.deferred_init"),  # leaves (the binary token format and preprocessing output every family shares; memory sizes; the deferred build strategies materialise from)
 ]
-
-# Packages the engine must not import (it finds them through entry points); a family may build on
-# another below it, as a third-party plugin may.
-PLUGIN_FAMILIES = ("hetfair.classification", "hetfair.bert", "hetfair.hf_encoder", "hetfair.lm")
-MAY_IMPORT_PLUGIN_FAMILIES = ("hetfair_cli",)
 
 
 @dataclass(frozen=True)
@@ -203,6 +208,29 @@ def test_engine_does_not_import_plugin_families():
     ]
     assert not violations, ("plugin families are found through entry points, not imported:\n"
                             + "\n".join(violations))
+
+
+def test_every_family_spec_in_the_tree_is_registered():
+    specs = {module.rsplit(".", 1)[0] for module in MODULES if module.endswith(".family")}
+    unregistered = sorted(specs - set(PLUGIN_FAMILIES))
+    assert not unregistered, (f"family specs no hetfair.families entry point names: {unregistered}; add a line to "
+                              f"setup.cfg's hetfair.families and reinstall (pip install -e .)")
+    assert set(FAMILIES_ABOVE_THE_API) <= set(PLUGIN_FAMILIES)
+
+
+def test_a_family_is_its_folder():
+    def modules(spec) -> list[str]:
+        references = [*spec.tasks.values(), *spec.models.values(), *spec.archs.values(), *spec.criteria.values(),
+                      spec.preprocessor, spec.hf_exporter, spec.sharding_units]
+        return [reference.split(":")[0] for reference in references if reference]
+
+    ours = [family for family in FAMILY_REGISTRY.all() if family.package in PLUGIN_FAMILIES]
+    outside = [f"family {family.name}: {module}" for family in ours for module in modules(family.spec)
+               if not module.startswith(family.package + ".")]
+    missing = [f"family {family.name}: {module}" for family in ours for module in modules(family.spec)
+               if module not in MODULES]
+    assert not outside, f"family specs naming modules outside their folder: {outside}"
+    assert not missing, f"family specs naming modules that do not exist: {missing}"
 
 
 def import_cycles() -> list[list[str]]:

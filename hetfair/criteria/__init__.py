@@ -1,6 +1,6 @@
 """Criterion registry; built-in criteria live in this package.
 
-hetfair's own ``masked_lm`` is an entry point instead (see :mod:`hetfair.bert`).
+hetfair's own ``masked_lm`` comes from the BERT family's spec instead (see :mod:`hetfair.families`).
 """
 
 from hetfair.criteria.criterion import HetfairCriterion, LoggingOutput

@@ -7,8 +7,9 @@ returning a dict of option defaults, registered with
 
 Models and architectures of installed distributions are entry points
 (``hetfair.models`` and ``hetfair.archs``), imported only when chosen; an
-architecture declared as an entry point is listed before its module is imported.
-hetfair's own BERT family is registered this way (see :mod:`hetfair.bert`).
+architecture declared as an entry point is listed before its module is imported. A model
+family's spec (:mod:`hetfair.families`) declares its models and architectures the same way;
+hetfair's own families are registered so (see :mod:`hetfair.bert`).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Task registry. hetfair's own ``bert`` task is an entry point (see :mod:`hetfair.bert`)."""
+"""Task registry. hetfair's own ``bert`` task comes from its family's spec (see :mod:`hetfair.families`)."""
 
 from hetfair.registry import Registry
 from hetfair.tasks.task import Task
