@@ -28,12 +28,14 @@ def complete_parallel_config(config: ParallelConfig, budgets: Sequence[Optional[
     """``config`` with the shard sizes its budgets give, where the flags leave them open.
 
     A mode that splits its state by fractions gets ``shard_fractions`` in proportion to the
-    budgets (unless ``--shard-fractions`` gave them); ZeRO-1 gets ``zero_shard_weights`` the
-    same way (unless ``--zero-shard-weights`` gave them). ``budgets`` and ``measured`` are by rank.
+    budgets (unless ``--shard-fractions`` gave them); one that splits its optimizer state by weights
+    (ZeRO-1) gets ``zero_shard_weights`` the same way (unless ``--zero-shard-weights`` gave them): what
+    the strategy declares (:attr:`~hetfair.parallel.Strategy.takes_shard_fractions`,
+    :meth:`~hetfair.parallel.Strategy.takes_shard_weights`). ``budgets`` and ``measured`` are by rank.
     """
-    takes_fractions = STRATEGY_REGISTRY.get(config.ddp_backend).takes_shard_fractions
-    open_fractions = takes_fractions and config.shard_fractions is None
-    open_weights = config.zero_sharding == "os" and config.zero_shard_weights is None
+    strategy = STRATEGY_REGISTRY.get(config.ddp_backend)
+    open_fractions = strategy.takes_shard_fractions and config.shard_fractions is None
+    open_weights = strategy.takes_shard_weights(config) and config.zero_shard_weights is None
     if len(budgets) < 2 or not (open_fractions or open_weights) or all(b is None for b in budgets):
         return config
     missing = [rank for rank, budget in enumerate(budgets) if budget is None]

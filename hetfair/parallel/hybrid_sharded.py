@@ -36,6 +36,7 @@ class HybridShardedStrategy(FullyShardedStrategy):
     """Fully sharded over the ranks of a node (or of ``--shard-group-size``), replicated over the nodes."""
 
     takes_shard_fractions = False  # FSDP2's even shards inside each node
+    plan_role = None  # --ddp-backend auto shards over every rank (fully_sharded), never per node
     owned_flags = ("--no-reshard-after-forward", "--reduce-dtype", "--shard-group-size")
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:

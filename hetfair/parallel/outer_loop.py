@@ -54,7 +54,7 @@ from hetfair.parallel import register_strategy
 from hetfair.parallel.collectives import all_gather_ints
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
-from hetfair.parallel.strategy import Strategy
+from hetfair.parallel.strategy import Strategy, refusal_of_backend
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,10 @@ class OuterLoopStrategy(Strategy):
     owned_flags = ("--outer-interval", "--find-unused-parameters", "--bucket-cap-mb")  # DDP inside each node
     outer_lr = 1.0
     outer_momentum = 0.0
+
+    @classmethod
+    def live_recovery_refusal(cls, config: ParallelConfig) -> Optional[str]:
+        return refusal_of_backend(config, "the outer loop's rounds would need their own recovery")
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         super().__init__(config, context)

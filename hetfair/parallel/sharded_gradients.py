@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from hetfair.errors import ConfigError
 from hetfair.parallel.config import ParallelConfig
-from hetfair.parallel.strategy import Strategy
+from hetfair.parallel.strategy import Strategy, refusal_of_backend
 
 REDUCE_DTYPES: dict[str, Optional[torch.dtype]] = {"fp32": None, "bf16": torch.bfloat16}
 """``--reduce-dtype``: the dtype gradients are reduced in (``None``: their own, fp32)."""
@@ -25,7 +25,12 @@ class ShardedGradientsStrategy(Strategy):
     """A mode whose ranks each hold a shard of every parameter and gradient (``--ddp-backend fully_sharded``)."""
 
     takes_shard_fractions = True
+    plan_role = "sharded"
     owned_flags = ("--no-reshard-after-forward", "--reduce-dtype", "--shard-fractions", "--offload")
+
+    @classmethod
+    def live_recovery_refusal(cls, config: ParallelConfig) -> Optional[str]:
+        return refusal_of_backend(config, "a lost rank's parameter shards cannot be rebuilt from the others")
 
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:

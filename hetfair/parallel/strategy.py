@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from contextlib import nullcontext
-from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Optional, Sequence
+from typing import TYPE_CHECKING, Any, ClassVar, ContextManager, Literal, Optional, Sequence
 
 import torch
 from torch import nn
@@ -22,6 +22,16 @@ from hetfair.parallel.config import ParallelConfig
 if TYPE_CHECKING:
     from hetfair.optim import HetfairOptimizer
     from hetfair.parallel.comm_hooks import GradientComm
+
+PlanRole = Literal["replicated", "sharded"]
+"""The parts ``--ddp-backend auto`` chooses a mode for (:attr:`Strategy.plan_role`)."""
+PLAN_ROLES: tuple[PlanRole, ...] = ("replicated", "sharded")
+
+
+def refusal_of_backend(config: ParallelConfig, why: str) -> str:
+    """A :meth:`Strategy.live_recovery_refusal` of the whole mode ``config`` names: ``why``, and what to run instead."""
+    return (f"--ddp-backend {config.ddp_backend}: {why}; use --ddp-backend c10d, or --fault-tolerance none with "
+            f"torchrun's restarts")
 
 
 class Strategy:
@@ -34,6 +44,11 @@ class Strategy:
     """Why ``--compile`` cannot trace the mode's model, as the one-line error the trainer gives (``None``: it can)."""
     takes_shard_fractions: ClassVar[bool] = False
     """Whether the mode splits its state by :attr:`ParallelConfig.shard_fractions` (then budgets fill them in)."""
+    plan_role: ClassVar[Optional[PlanRole]] = None
+    """What ``--ddp-backend auto`` may choose the mode as (:func:`hetfair.parallel.plan_candidate`): ``"replicated"``
+    when every rank holds the model's whole state and a micro-batch (the ``plan |`` table shows ``whole``),
+    ``"sharded"`` when one does not (the state split in proportion to the budgets: it needs
+    :attr:`takes_shard_fractions`); ``None``: never chosen."""
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         self.check_world(config, context.world_size)
@@ -48,6 +63,19 @@ class Strategy:
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:
         """Refuse a world size this mode cannot run on; before any process starts."""
+
+    @classmethod
+    def live_recovery_refusal(cls, config: ParallelConfig) -> Optional[str]:
+        """Why ``--fault-tolerance live`` cannot keep a run of this mode with ``config`` exact: the part of its
+        one-line error after "does not support" (``None``: it can, as here, every rank holding the whole state).
+        :func:`refusal_of_backend` words one for a whole mode."""
+        return None
+
+    @classmethod
+    def takes_shard_weights(cls, config: ParallelConfig) -> bool:
+        """Whether, with ``config``, the mode splits its optimizer state by :attr:`ParallelConfig.zero_shard_weights`
+        (then budgets fill them in, :func:`hetfair.memory.plan.complete_parallel_config`)."""
+        return False
 
     @classmethod
     def variant(cls, config: ParallelConfig) -> type["Strategy"]:
