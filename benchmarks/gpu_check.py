@@ -30,8 +30,8 @@ Then, as commands (:mod:`gpu_modes`, which says where each runs): the replicated
 reference loss), ``--ddp-comm-hook`` fp16, bf16 and powersgd, ``--ddp-backend hybrid_sharded`` (2 x 2),
 ``localsgd`` and ``diloco``, uneven shards (``--shard-fractions 1,3``) with ``--offload 1,0``, the automatic
 plan (``--max-sentences auto --precision auto --ddp-backend auto``, probing on the device) and live recovery
-(``--fault-tolerance live``, a lighthouse, one of two ranks killed and replaced; one rank on NCCL where the
-two are not). On one GPU the multi-rank cases share it: on NCCL where NCCL allows two processes on one
+(``--fault-tolerance live``, a lighthouse, one of two ranks killed and replaced; and a job of one rank,
+which is on NCCL however many GPUs there are). On one GPU the multi-rank cases share it: on NCCL where NCCL allows two processes on one
 device (tried first, ``nccl-2-on-1-gpu``), else on gloo.
 
 Each check prints its lines as it ends; one table at the end has every case's mode, backend, result
