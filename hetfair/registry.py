@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Callable, Generic, Iterable, TypeVar
+from typing import Callable, Generic, Iterable, Mapping, TypeVar
 
 from hetfair.errors import (
     ComponentNotKnownError,
@@ -51,6 +51,7 @@ class Registry(Generic[T]):
         entry_point_group: ``importlib.metadata`` group scanned for plugins, or ``None``.
         builtin_modules: hetfair modules imported on first use to register built-ins.
         plural: the kind in the plural, for messages (default: ``kind`` + "s").
+        reserved: names no component may take, each with what the name means instead (e.g. ``auto``).
     """
 
     def __init__(
@@ -60,8 +61,10 @@ class Registry(Generic[T]):
         entry_point_group: str | None = None,
         builtin_modules: Iterable[str] = (),
         plural: str | None = None,
+        reserved: Mapping[str, str] | None = None,
     ) -> None:
         self.kind = kind
+        self.reserved = dict(reserved or {})
         self.plural = plural or f"{kind}s"
         self.base_class = base_class
         self.entry_point_group = entry_point_group
@@ -80,7 +83,11 @@ class Registry(Generic[T]):
         return decorator
 
     def add(self, name: str, obj: T) -> None:
-        """Register ``obj`` as ``name``; a different earlier definition is an error."""
+        """Register ``obj`` as ``name``; a different earlier definition, or a reserved name, is an error."""
+        if name in self.reserved:
+            module, qualname = _origin_of(obj)
+            raise ComponentTypeError(f"cannot register {self.kind} '{name}' ({module}.{qualname}): "
+                                     f"'{name}' is reserved ({self.reserved[name]}); choose another name")
         if self.base_class is not None:
             if not (isinstance(obj, type) and issubclass(obj, self.base_class)):
                 module, qualname = _origin_of(obj)

@@ -189,3 +189,21 @@ def test_builtins_are_registered_and_reported_as_built_in():
 def test_registry_errors_are_user_errors_with_exit_code_2(error):
     assert issubclass(error, errors.HetfairError)
     assert error("x").exit_code == 2
+
+
+@pytest.mark.parametrize("register, base, flag", [
+    (hetfair.register_strategy, "Strategy", "--ddp-backend auto"),
+    (hetfair.register_comm_hook, "CommHook", "--ddp-comm-hook auto"),
+], ids=["strategy", "comm hook"])
+def test_auto_is_reserved_where_it_asks_hetfair_to_choose(register, base, flag):
+    from hetfair import parallel
+
+    class Named(getattr(parallel, base)):
+        pass
+
+    with pytest.raises(errors.ComponentTypeError) as caught:
+        register("auto")(Named)
+    message = str(caught.value)
+    assert "'auto' is reserved" in message and flag in message and "choose another name" in message
+    registry = parallel.STRATEGY_REGISTRY if base == "Strategy" else parallel.COMM_HOOK_REGISTRY
+    assert "auto" not in registry.names()

@@ -15,6 +15,7 @@ STRATEGY_REGISTRY: Registry[type[Strategy]] = Registry(
     builtin_modules=["hetfair.parallel.replicated", "hetfair.parallel.fully_sharded",
                      "hetfair.parallel.hybrid_sharded", "hetfair.parallel.outer_loop"],
     plural="strategies",
+    reserved={"auto": "--ddp-backend auto lets the automatic plan choose a strategy"},
 )
 register_strategy = STRATEGY_REGISTRY.register
 

@@ -102,6 +102,7 @@ COMM_HOOK_REGISTRY: Registry[type[CommHook]] = Registry(
     CommHook,
     entry_point_group="hetfair.comm_hooks",
     builtin_modules=["hetfair.parallel.default_comm_hooks", "hetfair.parallel.powersgd"],
+    reserved={AUTO: "--ddp-comm-hook auto measures the link, then picks one of the advised hooks"},
 )
 register_comm_hook = COMM_HOOK_REGISTRY.register
 
