@@ -7,6 +7,20 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from netns import Network, unavailable  # noqa: E402
 
+# Files whose tests hold deadlines on peers (a lost rank noticed within seconds, a hang turned into an
+# error, a signal answered in time): `make test` runs them after the rest, alone, so that a second
+# pytest worker cannot starve them on a 2-core machine. Everything else runs on pytest-xdist workers.
+SERIAL_FILES = frozenset({
+    "test_live_recovery.py", "test_live_security.py", "test_signals_and_hangs.py", "test_preemption.py",
+    "test_third_host.py", "test_rendezvous_security.py", "test_elastic_torchrun.py", "test_teardown.py",
+})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
+
 
 @pytest.fixture
 def make_network():
