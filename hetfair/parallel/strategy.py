@@ -4,7 +4,11 @@ The trainer, the validator and the checkpoint call these operations and never as
 which mode runs; a mode is one subclass in a file of its own, registered in
 :data:`hetfair.parallel.STRATEGY_REGISTRY` under the name ``--ddp-backend`` gives.
 The base class is the single-process behaviour (every tensor local and full, no
-communication), so a subclass overrides only what its mode changes.
+communication), so a subclass overrides only what its mode changes. What the rest of
+hetfair needs to know about a mode (live recovery, ``--compile``, the plan's candidates,
+the memory plan, the flags it owns) it asks the class (``live_recovery_refusal``,
+``compile_refusal``, ``plan_role``, ``takes_shard_fractions``, ``takes_shard_weights``,
+``owned_flags``), never the name (``tests/test_strategy_capabilities.py`` checks).
 """
 
 from __future__ import annotations
