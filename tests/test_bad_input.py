@@ -13,7 +13,7 @@ import pytest
 
 from helpers import TOY_PLUGIN
 from hetfair.checkpoint.layout import load_checkpoint
-from hetfair.options import build_parser, flag_owners
+from hetfair.options import add_comm_hook_args, build_parser, flag_owners
 from hetfair_cli.export import main as export_main
 from hetfair_cli.train import main as train_main
 
@@ -159,5 +159,7 @@ def test_a_mode_takes_its_own_flags(tmp_path, capsys, flags):
 
 
 def test_every_flag_a_mode_owns_is_an_option():
-    options = build_parser()._option_string_actions
+    parser = build_parser()
+    add_comm_hook_args(parser)  # the comm hooks' flags join the chosen components' (a run's parser has them)
+    options = parser._option_string_actions
     assert {flag for owner in flag_owners() for flag in owner.flags} <= set(options)
