@@ -22,7 +22,7 @@ class _TrainCommand:
         if args.list_plugins:
             return _list_plugins()
         from hetfair.launch.launcher import launch
-        from hetfair.training import check_before_start, train
+        from hetfair.run.training import check_before_start, train
 
         check_before_start(args)
         if args.fault_tolerance == "live":
