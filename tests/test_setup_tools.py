@@ -92,3 +92,16 @@ def test_make_demo_installs_what_the_demo_needs_and_no_test_tools():
     assert "pip install --quiet -e . -e plugins/hetfair_plugin_example" in commands
     assert ".[test]" not in commands and "jargon-text" not in commands
     assert "tools/install_debian_packages.sh dataset-fashion-mnist" in commands
+
+
+def test_running_a_part_of_the_suite_runs_as_typed_in_docs_testing():
+    """docs/testing.md's ``make test PYTEST_ARGS=...``: both passes take the selection, and the serial pass,
+    which then selects nothing, does not fail the command."""
+    typed = next(line.split("#")[0].strip() for line in (REPO_ROOT / "docs" / "testing.md").read_text().splitlines()
+                 if line.startswith("make test PYTEST_ARGS="))
+    assert typed == 'make test PYTEST_ARGS="-q tests/test_layering.py"'
+    done = subprocess.run(["bash", "-c", typed], cwd=REPO_ROOT, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    passes = [line for line in done.stdout.splitlines() if " passed" in line or "deselected" in line]
+    assert len(passes) == 2 and "passed" in passes[0] and "no tests ran" not in passes[0], done.stdout[-3000:]
+    assert "passed" not in passes[1], done.stdout[-3000:]  # test_layering.py holds no serial test
