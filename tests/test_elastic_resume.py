@@ -239,6 +239,19 @@ def test_device_id_is_the_first_gpu_or_one_per_process():
         toy("--device-id", "0,x")
 
 
+def test_a_live_rank_chooses_its_gpu_as_the_launcher_does(monkeypatch):
+    """Live recovery's process takes the launcher's device choice, its check of the visible GPUs included."""
+    from hetfair.live import recovery
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    with pytest.raises(ConfigError, match="GPU 3 requested but only 2 are visible"):
+        recovery._device(toy("--device-id", "3"))
+    with pytest.raises(ConfigError, match="GPU 5 requested but only 2 are visible"):
+        recovery._device(toy("--device-id", "5,0"))
+    assert recovery._device(toy("--cpu", "--device-id", "3")) == torch.device("cpu")
+
+
 def test_balancing_starts_afresh_on_ranks_with_other_batch_sizes():
     config = BalanceConfig(warmup_updates=0, interval=1, smoothing=1.0, threshold=0.0)
     saved = LoadBalancer([24, 24], 32, config)

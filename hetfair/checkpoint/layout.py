@@ -228,6 +228,11 @@ def model_weights(state: Mapping[str, Any]) -> dict[str, torch.Tensor]:
     return state[TRAINER]["model"]
 
 
+def progress_of(state: Mapping[str, Any]) -> tuple[int, int, int]:
+    """How far the run of a checkpoint's state came: (epoch, samples done in it, updates)."""
+    return int(state["position"]["epoch"]), int(state["position"]["samples_done"]), int(state[TRAINER]["num_updates"])
+
+
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Where checkpoints go, which are written and kept (the ``--save-*``/``--keep-*`` flags)."""

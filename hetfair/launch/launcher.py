@@ -247,7 +247,7 @@ def _join_group(index: int, args: argparse.Namespace, plan: LaunchPlan, device: 
     wrong is this command's one error line.
     """
     rank = plan.base_rank + index
-    backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
+    backend = process_group_backend(args.distributed_backend, device)
     use_interface(plan.interface, device, override=args.distributed_interface is not None)
     with native_stderr_discarded(enabled=quiet_native_logs(args.debug)):
         _form_group(rank, backend, args.distributed_timeout, plan)
@@ -306,13 +306,24 @@ def _interface_hint(plan: LaunchPlan) -> str:
 
 def _device_for(args: argparse.Namespace, plan: LaunchPlan, index: int) -> torch.device:
     """The device of local process ``index``: ``--device-id`` plus its local rank, or its own item of a list."""
-    if args.cpu or not torch.cuda.is_available():
+    return process_device(args.cpu, args.device_id, plan.list_index(index), plan.local_rank_offset + index)
+
+
+def process_device(cpu: bool, device_id: int | tuple[int, ...], list_index: int, local_rank: int) -> torch.device:
+    """The device a process trains on (made its current CUDA device): the CPU with ``--cpu`` or without CUDA,
+    else its GPU (:func:`gpu_index`), which must be visible."""
+    if cpu or not torch.cuda.is_available():
         return torch.device("cpu")
-    index = gpu_index(args.device_id, plan.list_index(index), plan.local_rank_offset + index)
+    index = gpu_index(device_id, list_index, local_rank)
     if index >= torch.cuda.device_count():
         raise ConfigError(f"GPU {index} requested but only {torch.cuda.device_count()} are visible")
     torch.cuda.set_device(index)
     return torch.device("cuda", index)
+
+
+def process_group_backend(requested: Optional[str], device: torch.device) -> str:
+    """``--distributed-backend``, or by default NCCL on a CUDA device and gloo on the CPU."""
+    return requested or ("nccl" if device.type == "cuda" else "gloo")
 
 
 def gpu_index(device_id: int | tuple[int, ...], list_index: int, local_rank: int) -> int:

@@ -37,8 +37,9 @@ from typing import Any, NoReturn, Optional
 import torch
 import torch.distributed as dist
 
+from hetfair.checkpoint.layout import progress_of
 from hetfair.errors import ConfigError, DistributedError, first_line
-from hetfair.launch.launcher import looks_like_lost_peer
+from hetfair.launch.launcher import looks_like_lost_peer, process_device, process_group_backend
 from hetfair.launch.native_output import native_stderr_discarded, quiet_native_logs, store_logs_filtered
 from hetfair.launch.network import choose_interface, use_interface
 from hetfair.launch.preemption import preemptible
@@ -173,7 +174,7 @@ def _train_rounds(args: argparse.Namespace, membership: Membership, device: torc
 def _form_group(group: Group, membership: Membership, args: argparse.Namespace,
                 device: torch.device) -> DistributedContext:
     """The round's default process group, its collectives timing out after ``--live-timeout``."""
-    backend = args.distributed_backend or ("nccl" if device.type == "cuda" else "gloo")
+    backend = process_group_backend(args.distributed_backend, device)
     with native_stderr_discarded(enabled=quiet_native_logs(args.debug)):
         dist.init_process_group(backend, store=dist.PrefixStore(f"r{group.round}/pg", membership.store),
                                 rank=group.rank, world_size=group.world_size,
@@ -223,9 +224,7 @@ def _on_any_rank(flag: bool, device: torch.device) -> bool:
 
 
 def _progress(state: Optional[dict[str, Any]]) -> Optional[RoundProgress]:
-    if state is None:
-        return None
-    return int(state["position"]["epoch"]), int(state["position"]["samples_done"]), int(state["trainer"]["num_updates"])
+    return None if state is None else progress_of(state)
 
 
 def _announce(group: Group, state: Optional[dict[str, Any]]) -> None:
@@ -238,8 +237,5 @@ def _announce(group: Group, state: Optional[dict[str, Any]]) -> None:
 
 
 def _device(args: argparse.Namespace) -> torch.device:
-    if args.cpu or not torch.cuda.is_available():
-        return torch.device("cpu")
-    index = args.device_id[0] if isinstance(args.device_id, tuple) else args.device_id
-    torch.cuda.set_device(index)
-    return torch.device("cuda", index)
+    """A live rank is one process per command: the first GPU of ``--device-id`` (or the CPU)."""
+    return process_device(args.cpu, args.device_id, list_index=0, local_rank=0)
