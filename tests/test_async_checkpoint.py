@@ -51,7 +51,7 @@ def test_a_snapshot_shares_no_storage_but_keeps_tied_tensors_tied():
 def slow_disk(monkeypatch: pytest.MonkeyPatch) -> threading.Event:
     """atomic_save waits until the event is set: the background write is still in flight meanwhile."""
     release = threading.Event()
-    original = hetfair.checkpoint.atomic_save
+    original = hetfair.checkpoint.layout.atomic_save
 
     def held_back(state: dict[str, Any], path: Path, *how: Any) -> None:
         assert release.wait(timeout=60)
@@ -130,7 +130,7 @@ def test_training_stops_at_the_update_after_a_background_save_failed(tmp_path, m
     def full_disk(fd: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(hetfair.checkpoint.os, "fsync", full_disk)
+    monkeypatch.setattr(hetfair.checkpoint.layout.os, "fsync", full_disk)
     save_dir = tmp_path / "ckpt"
     args = ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--save-dir", str(save_dir), "--log-format", "json",
             "--log-interval", "1", "--disable-validation", "--toy-train-size", "100000", "--max-update", "2000",

@@ -62,7 +62,7 @@ def _fail_fsync_with(exc: BaseException, monkeypatch: pytest.MonkeyPatch) -> Non
     def fsync(fd: int) -> None:
         raise exc
 
-    monkeypatch.setattr(hetfair.checkpoint.os, "fsync", fsync)
+    monkeypatch.setattr(hetfair.checkpoint.layout.os, "fsync", fsync)
 
 
 def test_a_full_disk_says_so_and_keeps_the_previous_checkpoint(previous, monkeypatch):
@@ -148,7 +148,7 @@ def test_a_save_that_fails_half_way_names_what_it_wrote_and_what_is_intact(tmp_p
             raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
         fsync(fd)
 
-    monkeypatch.setattr(hetfair.checkpoint.os, "fsync", full_for_checkpoint_last)
+    monkeypatch.setattr(hetfair.checkpoint.layout.os, "fsync", full_for_checkpoint_last)
     trainer.num_updates = 4
     with pytest.raises(CheckpointError) as caught:
         checkpointer.save(epoch=1, num_updates=4, end_of_epoch=False, valid_metric=None)

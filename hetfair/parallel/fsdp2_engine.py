@@ -116,7 +116,7 @@ def load_full_model_state_dict(model: nn.Module, state: dict[str, torch.Tensor])
 
     Each rank slices its own shard out of each full tensor, with no collective (torch's full-state loader
     scatters from rank 0, which reads every tensor whole): from a memory-mapped checkpoint
-    (:func:`hetfair.checkpoint.load_checkpoint`) a rank reads only the slices it keeps."""
+    (:func:`hetfair.checkpoint.layout.load_checkpoint`) a rank reads only the slices it keeps."""
     own = get_model_state_dict(model)
     set_model_state_dict(model, {name: _own_part(value, own.get(name)) for name, value in state.items()},
                          options=_LOAD_SHARDS)
