@@ -19,7 +19,7 @@ from torch.nn.parallel import DistributedDataParallel
 from helpers import TESTS_DIR, final_parameters, free_port, node_commands, run_nodes, subprocess_env, train_command
 from hetfair.parallel import COMM_HOOK_REGISTRY, ParallelConfig
 from hetfair.parallel.comm_advice import HookCost, LinkMeasurement, advise
-from hetfair.parallel.comm_hooks import GradientComm
+from hetfair.parallel.gradient_comm import GradientComm
 from hetfair.parallel.context import DistributedContext
 from hetfair_cli.train import main as train_main
 from toy_plugin import ToyMLP

@@ -4,7 +4,7 @@ With ``--zero-sharding os`` the optimizer state is sharded (ZeRO stage 1,
 :mod:`hetfair.parallel.zero_sharding`): only the optimizer changes, gradients stay full
 and identical on every rank, so normalising, clipping and overflows need no
 communication of their own. ``--ddp-comm-hook`` puts one of torch's communication
-hooks on DDP (:mod:`hetfair.parallel.comm_hooks`): the gradients it leaves are still
+hooks on DDP (:mod:`hetfair.parallel.gradient_comm`): the gradients it leaves are still
 the same on every rank.
 """
 
@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from hetfair.parallel import zero_sharding as zero
 from hetfair.parallel import register_strategy
 from hetfair.parallel.comm_hook import check_comm_hook
-from hetfair.parallel.comm_hooks import GradientComm
+from hetfair.parallel.gradient_comm import GradientComm
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.strategy import Strategy
 

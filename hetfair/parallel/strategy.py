@@ -25,7 +25,7 @@ from hetfair.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
     from hetfair.optim import HetfairOptimizer
-    from hetfair.parallel.comm_hooks import GradientComm
+    from hetfair.parallel.gradient_comm import GradientComm
 
 PlanRole = Literal["replicated", "sharded"]
 """The parts ``--ddp-backend auto`` chooses a mode for (:attr:`Strategy.plan_role`)."""

@@ -28,7 +28,7 @@ from hetfair.run.state import Position, TrainingClock
 from hetfair.trainer import Trainer
 
 if TYPE_CHECKING:
-    from hetfair.parallel.comm_hooks import GradientComm
+    from hetfair.parallel.gradient_comm import GradientComm
 
 
 class RunReports:

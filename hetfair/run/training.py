@@ -24,7 +24,7 @@ from hetfair.memory.plan import StateSize, check_fit, complete_parallel_config
 from hetfair.memory.table import FirstUpdateMemory
 from hetfair.models import HetfairModel
 from hetfair.optim.lr_scheduler.schedule_length import schedule_length_warning
-from hetfair.parallel.comm_hooks import CommStatePart
+from hetfair.parallel.gradient_comm import CommStatePart
 from hetfair.parallel.context import DistributedContext
 from hetfair.plan.planner import PlanPart
 from hetfair.plan.state import parameter_bytes
