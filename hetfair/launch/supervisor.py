@@ -34,6 +34,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
 from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
+from types import FrameType
 
 from hetfair.launch.preemption import PREEMPT_SIGNALS, PREEMPTED_EXIT_CODE, preemptible
 from hetfair.errors import DistributedError, HetfairError, Interrupted, JobWideError, Preempted, first_line
@@ -142,10 +143,28 @@ def _end_children() -> None:
 
 
 def _stop_now(signum: int, frame: Any) -> None:
+    if _in_finalizer(frame):  # the interpreter would drop what this raises: stop a moment later instead
+        retry = threading.Timer(_FINALIZER_RETRY_SECONDS, _signal, (os.getpid(), signum))
+        retry.daemon = True
+        retry.start()
+        return
     for ignored in _WORKER_SIGNALS:
         signal.signal(ignored, signal.SIG_IGN)  # a second signal must not interrupt the clean-up
     _end_children()  # first: a DataLoader worker whose hand-over the interrupt cuts short would print a traceback
     raise KeyboardInterrupt
+
+
+_FINALIZER_RETRY_SECONDS = 0.01
+
+
+def _in_finalizer(frame: Optional[FrameType]) -> bool:
+    """Whether ``frame`` runs inside a ``__del__``: an exception raised there is printed as "Exception
+    ignored in ..." and dropped, so a stop raised there would be lost (and its traceback shown)."""
+    while frame is not None:
+        if frame.f_code.co_name == "__del__":
+            return True
+        frame = frame.f_back
+    return False
 
 
 def exit_with_parent() -> None:
