@@ -5,6 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from forked_cli import start_server  # noqa: E402
 from netns import Network, unavailable  # noqa: E402
 
 # Files whose tests hold deadlines on peers (a lost rank noticed within seconds, a hang turned into an
@@ -14,6 +15,10 @@ SERIAL_FILES = frozenset({
     "test_live_recovery.py", "test_live_security.py", "test_signals_and_hangs.py", "test_preemption.py",
     "test_third_host.py", "test_rendezvous_security.py", "test_elastic_torchrun.py", "test_teardown.py",
 })
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    start_server()  # from the environment no test has changed yet
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

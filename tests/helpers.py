@@ -12,6 +12,8 @@ from typing import Sequence
 
 import torch
 
+from forked_cli import run_forked
+
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 TOY_PLUGIN = TESTS_DIR / "toy_plugin"
@@ -40,18 +42,18 @@ def start(args: Sequence[str], cwd: Path) -> subprocess.Popen:
 
 
 def run_nodes(commands: list[list[str]], cwd: Path, timeout: float = 180) -> list[subprocess.CompletedProcess]:
-    """Start several hetfair-train commands at once (as separate 'nodes') and wait for all."""
-    procs = [start(args, cwd) for args in commands]
-    results = []
-    for args, proc in zip(commands, procs):
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for other in procs:
-                other.kill()
-            raise
-        results.append(subprocess.CompletedProcess(args, proc.returncode, out, err))
-    return results
+    """Start several hetfair-train commands at once (as separate 'nodes') and wait for all.
+
+    Each command is a process forked from a pre-imported interpreter (``forked_cli``): the same
+    ``main(argv)`` in a process of its own, without a torch import per command.
+    """
+    return run_forked(commands, cwd, subprocess_env(), timeout)
+
+
+def run_train(args: Sequence[str], cwd: Path, timeout: float = 180) -> subprocess.CompletedProcess:
+    """One hetfair-train command, run as :func:`run_nodes` runs each of its commands."""
+    [result] = run_nodes([list(args)], cwd, timeout)
+    return result
 
 
 def final_parameters(save_dir: Path) -> dict[str, torch.Tensor]:

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch import nn
 
-from helpers import REPO_ROOT, final_parameters, subprocess_env, train_command
+from helpers import REPO_ROOT, final_parameters, run_train
 from hetfair.memory.peak import current_bytes
 from hetfair.memory.sizes import parse_size
 from hetfair.plan.probe import SEARCH_PRECISION, BatchSearch, MicroBatchProbe
@@ -31,8 +31,7 @@ BUDGETS = "420M,560M"
 
 
 def hetfair_train(cwd: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(train_command(*args), cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=300)
+    return run_train(args, cwd, timeout=300)
 
 
 def sim_flags(save_dir: Path, *extra: str) -> list[str]:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from helpers import TESTS_DIR, final_parameters, free_port, node_commands, run_nodes, subprocess_env, train_command
+from helpers import TESTS_DIR, final_parameters, free_port, node_commands, run_nodes, run_train
 from hetfair.parallel import COMM_HOOK_REGISTRY, ParallelConfig
 from hetfair.parallel.comm_advice import HookCost, LinkMeasurement, advise
 from hetfair.parallel.gradient_comm import GradientComm
@@ -43,8 +43,7 @@ def hook_site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 
 def run(*argv: str, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run(train_command(*argv), cwd=cwd, env=subprocess_env(), capture_output=True, text=True,
-                          timeout=120, check=False)
+    return run_train(argv, cwd, timeout=120)
 
 
 def test_an_installed_hook_is_listed_and_owns_its_flags(hook_site, tmp_path):

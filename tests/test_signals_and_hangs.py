@@ -12,6 +12,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -227,3 +228,34 @@ def test_the_dataloader_workers_of_a_killed_rank_die_with_it(tmp_path):
             launcher.kill()
     # torch's own watchdog would end them only seconds later (it looks every 5 s)
     assert not [pid for pid in loaders if is_running(pid)]
+
+
+FINALIZER_STOP = """
+import os, signal, sys, time
+from hetfair.launch import supervisor
+
+signal.signal(supervisor.STOP_SIGNAL, supervisor._stop_now)
+
+class Closing:
+    def __del__(self):  # a stop that arrives here (as in multiprocessing's Connection.__del__) ...
+        os.kill(os.getpid(), supervisor.STOP_SIGNAL)
+        time.sleep(0.2)
+        print("finalizer done", flush=True)
+
+try:
+    Closing()
+    time.sleep(5)
+    print("not stopped", flush=True)
+except KeyboardInterrupt:
+    print("stopped", flush=True)  # ... stops the worker once the finalizer returns
+"""
+
+
+def test_a_stop_that_arrives_in_a_finalizer_is_not_lost(tmp_path):
+    """Python prints and drops an exception raised inside ``__del__``: a worker's stop raised there would be
+    lost (the worker runs on until SIGKILL) and its traceback would reach the user's terminal."""
+    result = subprocess.run([sys.executable, "-c", FINALIZER_STOP], capture_output=True, text=True, timeout=60,
+                            env=subprocess_env(), cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split() == ["finalizer", "done", "stopped"], result.stdout
+    assert result.stderr == ""

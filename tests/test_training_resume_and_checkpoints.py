@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from helpers import TOY_PLUGIN, final_parameters, subprocess_env, train_command
+from helpers import TOY_PLUGIN, final_parameters, run_train, subprocess_env
 from hetfair.checkpoint.layout import atomic_save, load_checkpoint
 from hetfair.errors import CheckpointError, first_line
 from hetfair.utils import state_dict_mismatch
@@ -27,7 +27,7 @@ def toy_args(save_dir: Path, *extra: str) -> list[str]:
 
 
 def run(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run(train_command(*args), capture_output=True, text=True, env=subprocess_env(), timeout=120)
+    return run_train(args, Path.cwd(), timeout=120)
 
 
 @pytest.mark.parametrize("extra", [(), ("--update-freq", "2", "--num-workers", "2")])
