@@ -1,8 +1,9 @@
 """hetfair-train commands as processes forked from one interpreter that has imported torch and hetfair already.
 
 A fresh ``python -m hetfair_cli.train`` spends about 2.6 s of CPU importing torch before it parses its
-first flag (and 5 s more where it fine-tunes a transformers model); the suite starts over a thousand of them. multiprocessing's forkserver pays that import once:
-its server process preloads the modules and forks a child per command. Each child is still a process of
+first flag (and 5 s more where it fine-tunes a transformers model); the suite starts over a thousand of
+them. multiprocessing's forkserver pays that import once: its server process preloads the modules and
+forks a child per command. Each child is still a process of
 its own (its own gloo rank, signals, exit status and files), starts from the server's clean state rather
 than from an earlier test's, and runs ``main(argv)`` as ``python -m hetfair_cli.train`` does.
 
@@ -17,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
 from typing import Mapping, Sequence
 
@@ -33,8 +35,6 @@ def _run_main(args: list[str], cwd: str, env: dict[str, str], out_path: str, err
     import torch
 
     from hetfair_cli.train import main
-
-    from multiprocessing import resource_tracker
 
     resource_tracker._resource_tracker._fd = None  # its own tracker, started when needed, as a fresh process has:
     resource_tracker._resource_tracker._pid = None  # what it leaks is reported on its own stderr
@@ -53,8 +53,6 @@ def _run_main(args: list[str], cwd: str, env: dict[str, str], out_path: str, err
 
 def start_server() -> None:
     """Start the fork server now, from this process's environment as it is (before a test changes it)."""
-    from multiprocessing import forkserver
-
     forkserver.ensure_running()
 
 

@@ -33,14 +33,16 @@ import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
 from multiprocessing.connection import Connection, wait
-from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 from types import FrameType
+from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
 
 from hetfair.launch.preemption import PREEMPT_SIGNALS, PREEMPTED_EXIT_CODE, preemptible
 from hetfair.errors import DistributedError, HetfairError, Interrupted, JobWideError, Preempted, first_line
 
 STOP_GRACE_SECONDS = 2.0
 STOP_SIGNAL = signal.SIGUSR2
+_FINALIZER_RETRY_SECONDS = 0.01
+"""How long a stop that arrived inside a ``__del__`` waits before it is raised again."""
 """What the launcher sends a worker to stop it now (SIGTERM asks it to save and stop: preemption)."""
 PREEMPT_GRACE_SECONDS = 300.0
 """How long the launcher waits for preempted workers to finish their update and save before stopping them."""
@@ -142,7 +144,7 @@ def _end_children() -> None:
         child.join(_CHILD_REAP_SECONDS)
 
 
-def _stop_now(signum: int, frame: Any) -> None:
+def _stop_now(signum: int, frame: Optional[FrameType]) -> None:
     if _in_finalizer(frame):  # the interpreter would drop what this raises: stop a moment later instead
         retry = threading.Timer(_FINALIZER_RETRY_SECONDS, _signal, (os.getpid(), signum))
         retry.daemon = True
@@ -152,9 +154,6 @@ def _stop_now(signum: int, frame: Any) -> None:
         signal.signal(ignored, signal.SIG_IGN)  # a second signal must not interrupt the clean-up
     _end_children()  # first: a DataLoader worker whose hand-over the interrupt cuts short would print a traceback
     raise KeyboardInterrupt
-
-
-_FINALIZER_RETRY_SECONDS = 0.01
 
 
 def _in_finalizer(frame: Optional[FrameType]) -> bool:
