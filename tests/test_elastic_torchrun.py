@@ -9,7 +9,9 @@ PyTorch run over the same updates, and no process of the killed agent may surviv
 (Restarts after a killed worker, with the same members, are what benchmarks/bench_elastic.py
 repeats; test_agent_store.py pins down why they once failed.)
 The test holds training (a pause file the toy model waits on) while it changes the cluster,
-so that every change lands mid-run however loaded the machine is.
+so that every change lands mid-run however loaded the machine is. The SIGTERM with which torchrun
+restarts a worker releases that hold: the worker saves after its update and stops, as a preempted
+run does (held, it would sit out torchrun's 30 s shutdown grace and be killed).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from hetfair import register_criterion, register_model, register_model_architecture, register_task
 from hetfair.criteria import HetfairCriterion
+from hetfair.launch import preemption
 from hetfair.models import HetfairModel
 from hetfair.tasks import Task
 
@@ -56,7 +57,8 @@ class ToyMLP(HetfairModel):
         parser.add_argument("--toy-step-seconds", type=float, default=0.0,
                             help="sleep this long in every training forward (time for a test to act mid-run)")
         parser.add_argument("--toy-pause-file", metavar="PATH",
-                            help="while PATH exists, every training forward waits (a test holds training there)")
+                            help="while PATH exists, every training forward waits (a test holds training there), "
+                                 "until the run is asked to save and stop")
         parser.add_argument("--toy-units", action="store_true", help="each Linear layer is a sharding unit")
 
     @classmethod
@@ -70,7 +72,7 @@ class ToyMLP(HetfairModel):
         if self.training and self.step_seconds:  # Python-level branches: --compile traces no sleep
             time.sleep(self.step_seconds)
         if self.training and self.pause_file is not None:
-            while self.pause_file.exists():
+            while self.pause_file.exists() and preemption.requested_by() is None:  # a preempted run saves now
                 time.sleep(0.02)
         return self.net(x)
 
