@@ -132,7 +132,7 @@ def rank1_alone(tmp_path: Path, port: int, timeout: int) -> list[str]:
 
 def test_a_rendezvous_that_accepts_and_never_answers_is_one_line_after_the_timeout(tmp_path):
     listener = LoopbackListener()
-    timeout = 8
+    timeout = 3
     try:
         began = time.monotonic()
         proc = start(rank1_alone(tmp_path, listener.port, timeout), tmp_path)
@@ -149,7 +149,7 @@ def test_a_rendezvous_that_accepts_and_never_answers_is_one_line_after_the_timeo
 
 
 def test_a_lone_rank_1_is_one_line_after_the_timeout(tmp_path):
-    timeout = 8
+    timeout = 3
     port = free_port()
     began = time.monotonic()
     proc = start(rank1_alone(tmp_path, port, timeout), tmp_path)
