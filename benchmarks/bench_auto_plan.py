@@ -39,7 +39,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from common import Samples, machine_note, print_table, ratio
+from common import Samples, machine_note, print_table, rank_pids, ratio
 
 from hetfair.data.batch_plan import split_counts
 from hetfair.memory.sizes import format_size, parse_size
@@ -87,15 +87,10 @@ class PeakWatch:
                     self.peaks[pid] = int(found.group(1)) * 1024
 
     def _ranks(self) -> list[int]:
-        try:
-            children = Path(f"/proc/{self.launcher}/task/{self.launcher}/children").read_text().split()
-        except OSError:
-            return []
-        return sorted(int(pid) for pid in children
-                      if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes())
+        return rank_pids(self.launcher)
 
     def stop(self) -> list[int]:
-        """Each rank's last-seen peak, in rank order (the launcher spawns the ranks in order)."""
+        """Each rank's last-seen peak, in rank order."""
         self.done.set()
         self.thread.join()
         return [self.peaks[pid] for pid in sorted(self.peaks)]

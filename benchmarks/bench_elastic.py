@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Iterable, Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from benchmarks.common import descendants, free_port  # noqa: E402
+from benchmarks.common import free_port, rank_pids  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 TORCHRUN = Path(sys.executable).with_name("torchrun")
@@ -113,8 +113,7 @@ def one_recovery(scenario: str) -> Optional[tuple[float, int]]:
             time.sleep(1.0)  # a few updates in
             killed = time.monotonic()
             if scenario == "worker killed":
-                ranks = [p for p in descendants(agents[1].process.pid)
-                         if b"spawn_main" in Path(f"/proc/{p}/cmdline").read_bytes()]
+                ranks = rank_pids(agents[1].process.pid)
                 os.kill(ranks[0], signal.SIGKILL)
             else:
                 agents[1].process.kill()

@@ -176,6 +176,19 @@ def descendants(pid: int) -> list[int]:
     return found
 
 
+def rank_pids(root: int) -> list[int]:
+    """The hetfair rank processes below ``root``, in rank order (a worker's process name is ``hetfair-rank<N>``)."""
+    ranks = {}
+    for pid in descendants(root):
+        try:
+            name = Path(f"/proc/{pid}/comm").read_text().strip()
+        except OSError:
+            continue
+        if name.startswith("hetfair-rank") and name[len("hetfair-rank"):].isdigit():
+            ranks[int(name[len("hetfair-rank"):])] = pid
+    return [ranks[rank] for rank in sorted(ranks)]
+
+
 def tree_cpu_seconds(root: int) -> float:
     """User + system CPU seconds used so far by ``root`` and all its live descendants."""
     tree = _children()

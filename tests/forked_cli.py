@@ -7,20 +7,31 @@ forks a child per command. Each child is still a process of
 its own (its own gloo rank, signals, exit status and files), starts from the server's clean state rather
 than from an earlier test's, and runs ``main(argv)`` as ``python -m hetfair_cli.train`` does.
 
+The launcher's ranks come from the same server: hetfair's launcher forks its workers from a
+multiprocessing fork server, and a forked command is pointed at this one (already preloaded) instead
+of starting its own. The server is started as the launcher starts its own (SIGINT ignored, the
+worker signals blocked: :func:`hetfair.launch.supervisor.worker_start_state`), and each worker is
+given what a worker of the command's own server would have: the command's environment and output
+(:class:`_CommandState`, sent with multiprocessing's preparation data).
+
 Tests that need the real executable (the commands the docs show, kills of a launcher's ranks by their
-command line) start it with :func:`helpers.start`.
+command line, an environment variable that torch reads as it is imported, such as ``TORCH_LOGS``)
+start it with :func:`helpers.start`.
 """
 
 from __future__ import annotations
 
 import multiprocessing
 import os
+import signal
 import subprocess
 import sys
 import tempfile
-from multiprocessing import forkserver, resource_tracker
+from multiprocessing import context, forkserver, popen_forkserver, reduction, resource_tracker, spawn
 from pathlib import Path
-from typing import Mapping, Sequence
+from typing import Any, Callable, Mapping, Sequence
+
+from hetfair.launch.supervisor import worker_start_state
 
 _CONTEXT = multiprocessing.get_context("forkserver")
 _CONTEXT.set_forkserver_preload([
@@ -30,7 +41,7 @@ _CONTEXT.set_forkserver_preload([
 ])
 
 
-def _run_main(args: list[str], cwd: str, env: dict[str, str], out_path: str, err_path: str) -> None:
+def _run_main(args: list[str], cwd: str, env: dict[str, str], out_path: str, err_path: str, server: str) -> None:
     """The child: the command's directory, environment and output files, then ``hetfair-train``'s main."""
     import torch
 
@@ -38,6 +49,10 @@ def _run_main(args: list[str], cwd: str, env: dict[str, str], out_path: str, err
 
     resource_tracker._resource_tracker._fd = None  # its own tracker, started when needed, as a fresh process has:
     resource_tracker._resource_tracker._pid = None  # what it leaks is reported on its own stderr
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # a fresh interpreter's, not the server's
+    signal.pthread_sigmask(signal.SIG_SETMASK, set())
+    forkserver._forkserver._forkserver_address = server  # its workers are forked from this server too
+    forkserver._forkserver.ensure_running = resource_tracker.ensure_running
     os.chdir(cwd)
     os.environ.clear()
     os.environ.update(env)
@@ -51,19 +66,76 @@ def _run_main(args: list[str], cwd: str, env: dict[str, str], out_path: str, err
     sys.exit(main(args))
 
 
+class _CommandState:
+    """Sent with a worker's preparation data: the environment and output of the process that starts it, which a
+    worker of that process's own fork server would inherit (this server's are the pytest process's)."""
+
+    def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
+        if not isinstance(context.get_spawning_popen(), popen_forkserver.Popen):
+            return dict, ()  # another start method: nothing to carry
+        return _take_command_state, (dict(os.environ), reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _take_command_state(env: dict[str, str], stdout: Any, stderr: Any) -> dict:
+    """In the worker, as its preparation data is read: the starting process's environment and output."""
+    import torch
+
+    os.environ.clear()
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch read it once, in the server
+    for fd, inherited in ((1, stdout), (2, stderr)):
+        received = inherited.detach()
+        os.dup2(received, fd)
+        os.close(received)
+    return {}
+
+
+def _preparation_data(name: str) -> dict[str, Any]:
+    return {**_plain_preparation_data(name), "forked_cli_state": _CommandState()}
+
+
+_plain_preparation_data = spawn.get_preparation_data
+spawn.get_preparation_data = _preparation_data
+
+
+_READ_AT_IMPORT = ("TORCH_LOGS", "TORCH_CPP_LOG_LEVEL")
+"""Environment variables torch reads once, as it is imported: the server's values hold in every forked command."""
+_SERVER_ENV: dict[str, str] = {}
+
+
 def start_server() -> None:
-    """Start the fork server now, from this process's environment as it is (before a test changes it)."""
-    forkserver.ensure_running()
+    """Start the fork server now, from this process's environment as it is (before a test changes it), in the
+    signal state hetfair's launcher starts its own in."""
+    _SERVER_ENV.update(os.environ)
+    here = str(Path(__file__).resolve().parent)
+    previous = os.environ.get("PYTHONPATH")
+    # the server imports this module (its preload; a worker reads _CommandState before anything else), and
+    # Python 3.11's forkserver ignores the sys.path it is handed: it searches PYTHONPATH
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, previous]))
+    try:
+        with worker_start_state():
+            forkserver.ensure_running()
+    finally:
+        if previous is None:
+            del os.environ["PYTHONPATH"]
+        else:
+            os.environ["PYTHONPATH"] = previous
 
 
 def run_forked(commands: Sequence[Sequence[str]], cwd: Path, env: Mapping[str, str],
                timeout: float) -> list[subprocess.CompletedProcess]:
     """Run ``hetfair-train`` commands at once, each its own process, and wait for all (killing all at ``timeout``)."""
+    read_at_import = [name for name in _READ_AT_IMPORT if env.get(name) != _SERVER_ENV.get(name)]
+    if read_at_import:
+        raise ValueError(f"{', '.join(read_at_import)} is read as torch is imported, in the fork server: "
+                         f"start this command with helpers.start instead")
     with tempfile.TemporaryDirectory(prefix="forked-cli-") as outputs:
         processes = []
         for index, args in enumerate(commands):
             out_path, err_path = (os.path.join(outputs, f"{index}.{stream}") for stream in ("out", "err"))
-            process = _CONTEXT.Process(target=_run_main, args=(list(args), str(cwd), dict(env), out_path, err_path))
+            process = _CONTEXT.Process(target=_run_main, args=(list(args), str(cwd), dict(env), out_path, err_path,
+                                                               forkserver._forkserver._forkserver_address))
             process.start()
             processes.append((args, process, out_path, err_path))
         results = []

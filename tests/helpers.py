@@ -14,6 +14,12 @@ import torch
 
 from forked_cli import run_forked
 
+_SHARED = str(Path(__file__).resolve().parents[1] / "benchmarks")  # common.py: the process tree helpers
+if _SHARED not in sys.path:
+    sys.path.append(_SHARED)
+
+from common import descendants, rank_pids  # noqa: E402,F401  (descendants: for the tests)
+
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 TOY_PLUGIN = TESTS_DIR / "toy_plugin"
@@ -62,20 +68,8 @@ def final_parameters(save_dir: Path) -> dict[str, torch.Tensor]:
 
 
 def worker_pids(launcher_pid: int) -> list[int]:
-    """PIDs of the rank processes a hetfair-train launcher spawned (not multiprocessing's resource tracker)."""
-    pids = []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
-        except OSError:
-            continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == launcher_pid and b"spawn_main" in cmdline:
-            pids.append(int(entry.name))
-    return sorted(pids)
+    """PIDs of the rank processes of a hetfair-train launcher, in rank order (not its fork server or resource tracker)."""
+    return rank_pids(launcher_pid)
 
 
 def child_pids(pid: int) -> list[int]:

@@ -51,7 +51,7 @@ from hetfair.launch.rendezvous import (
 )
 from hetfair.launch.slurm import first_host, in_slurm_job, node_of, tasks_on_this_node
 from hetfair.launch.preemption import preemptible
-from hetfair.launch.supervisor import deadline, exit_with_parent, run_workers
+from hetfair.launch.supervisor import deadline, exit_with_parent, launcher_is_gone, run_workers
 from hetfair.errors import ConfigError, DistributedError, Preempted, first_line
 from hetfair.parallel import ParallelConfig, check_strategy_world
 from hetfair.plugins import import_user_dir
@@ -199,11 +199,10 @@ def _rendezvous_for(plan: LaunchPlan, args: argparse.Namespace) -> Iterator[Laun
 
 def _run_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn: TrainFunction) -> None:
     """One rank, in its worker process; a rank whose launcher was killed removes the job's own store."""
-    launcher = os.getppid()
     try:
         _train_rank(index, args, plan, train_fn)
     finally:
-        if plan.private_dir and os.getppid() != launcher:  # killed (SIGKILL): it cannot clean up
+        if plan.private_dir and launcher_is_gone():  # killed (SIGKILL): it cannot clean up
             shutil.rmtree(plan.private_dir, ignore_errors=True)
 
 
@@ -212,7 +211,7 @@ def _train_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn
     device = _device_for(args, plan, index)
     args = for_process(args, plan.list_index(index))
     if args.user_dir:
-        import_user_dir(args.user_dir)  # spawned processes start with a fresh interpreter
+        import_user_dir(args.user_dir)  # the fork server imported hetfair, not the user's plugins
     context = _join_group(index, args, plan, device)
     if context.device.type == "cpu" and plan.nprocs > 1 and "OMP_NUM_THREADS" not in os.environ:
         # like torchrun: processes sharing the CPU must not each use every core

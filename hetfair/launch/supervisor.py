@@ -12,8 +12,12 @@
   exit with the preemption code, which the launcher passes on; it waits for them at most
   :data:`PREEMPT_GRACE_SECONDS`. A second SIGTERM, or SIGINT, stops them now. Workers start
   with these signals blocked and unblock them once their handlers are in place.
-* A worker whose launcher dies (even by SIGKILL) gets :data:`STOP_SIGNAL` from the kernel
-  (Linux) or notices within a second; so does a launcher started by torchrun whose agent dies.
+* Workers are forked from a fork server that imported torch and the trainer once (multiprocessing's
+  ``forkserver``): N ranks cost one torch import, not N, and share its memory; each still starts
+  clean (the server never trains) with the launcher's environment and output.
+* A worker whose launcher dies (even by SIGKILL) gets :data:`STOP_SIGNAL` at once (it waits on
+  the launcher's pidfd, Linux; elsewhere it notices within a second); so does a launcher started
+  by torchrun whose agent dies (the kernel's parent-death signal).
 * A worker leaves with ``os._exit``: torch's gloo and store threads outlive
   ``destroy_process_group`` (the process group stays referenced once DDP used it), and
   running the interpreter's finalization and C++ static destructors while they are alive
@@ -25,6 +29,7 @@ from __future__ import annotations
 import ctypes
 import multiprocessing as mp
 import os
+import select
 import signal
 import sys
 import threading
@@ -32,6 +37,7 @@ import time
 import traceback
 from contextlib import contextmanager
 from dataclasses import dataclass
+from multiprocessing import forkserver
 from multiprocessing.connection import Connection, wait
 from types import FrameType
 from typing import Any, Callable, Iterator, NoReturn, Optional, Sequence
@@ -41,9 +47,9 @@ from hetfair.errors import DistributedError, HetfairError, Interrupted, JobWideE
 
 STOP_GRACE_SECONDS = 2.0
 STOP_SIGNAL = signal.SIGUSR2
+"""What the launcher sends a worker to stop it now (SIGTERM asks it to save and stop: preemption)."""
 _FINALIZER_RETRY_SECONDS = 0.01
 """How long a stop that arrived inside a ``__del__`` waits before it is raised again."""
-"""What the launcher sends a worker to stop it now (SIGTERM asks it to save and stop: preemption)."""
 PREEMPT_GRACE_SECONDS = 300.0
 """How long the launcher waits for preempted workers to finish their update and save before stopping them."""
 _WORKER_SIGNALS = {*PREEMPT_SIGNALS, STOP_SIGNAL}
@@ -51,6 +57,9 @@ _CLEAN_EXITS = (0, PREEMPTED_EXIT_CODE)  # a preempted worker saved and stopped 
 _POLL_SECONDS = 0.25
 _CHILD_REAP_SECONDS = 1.0
 _PR_SET_PDEATHSIG = 1
+_PR_SET_NAME = 15
+RANK_PROCESS_PREFIX = "hetfair-rank"
+"""A worker's process name (``ps -o comm``, ``top``) is this and its rank: all share the fork server's command line."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +76,7 @@ class WorkerReport:
 # -- inside a worker ---------------------------------------------------------------
 
 _report_channel: Optional[tuple[int, Connection]] = None  # this worker's rank and pipe (set once per process)
+_launcher_gone = threading.Event()  # set in a worker when the process it watches (its launcher) has died
 
 
 def give_up(message: str, exit_code: int = 2) -> NoReturn:
@@ -102,7 +112,9 @@ def _worker_main(index: int, rank: int, channel: Connection, launcher_pid: int,
     global _report_channel
     _report_channel = (rank, channel)
     signal.signal(STOP_SIGNAL, _stop_now)
-    _exit_with_launcher(launcher_pid)
+    _name_process(f"{RANK_PROCESS_PREFIX}{rank}")
+    _leave_fork_server()
+    _stop_when_gone(launcher_pid)
     report = WorkerReport(rank, "", 0)
     try:
         with preemptible():
@@ -169,14 +181,37 @@ def _in_finalizer(frame: Optional[FrameType]) -> bool:
 def exit_with_parent() -> None:
     """Get :data:`STOP_SIGNAL` when the parent process dies, even by SIGKILL (e.g. torchrun's agent, whose
     workers would otherwise live on)."""
-    _exit_with_launcher(os.getppid())
-
-
-def _exit_with_launcher(launcher_pid: int) -> None:
+    parent = os.getppid()
     if not _on_parent_death(STOP_SIGNAL):  # not Linux: watch the parent instead
-        threading.Thread(target=_watch_launcher, args=(launcher_pid,), daemon=True).start()
-    if os.getppid() != launcher_pid:  # the launcher died before prctl took effect
+        _stop_when_gone(parent)
+    elif os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
+
+
+def launcher_is_gone() -> bool:
+    """In a worker: whether its launcher has died (killed: it could not clean up after the job)."""
+    return _launcher_gone.is_set()
+
+
+def _leave_fork_server() -> None:
+    """Close this worker's copy of the launcher's end of the fork server's "alive" pipe, which every child of
+    the server is given: the server then ends with the launcher instead of outliving it with the workers."""
+    server = forkserver._forkserver  # noqa: SLF001 - multiprocessing keeps the fd on this instance only
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        server._forkserver_alive_fd = None
+
+
+def _stop_when_gone(pid: int) -> None:
+    """Send this process :data:`STOP_SIGNAL` when process ``pid`` ends (it has ended already: exit now)."""
+    try:
+        handle: Optional[int] = os.pidfd_open(pid)
+    except ProcessLookupError:
+        os._exit(1)
+    except (AttributeError, OSError):  # not Linux, or a kernel before 5.3: look once a second
+        handle = None
+    threading.Thread(target=_watch_process, args=(pid, handle), daemon=True).start()
 
 
 def die_with_rank(worker_id: int) -> None:
@@ -190,18 +225,41 @@ def die_with_rank(worker_id: int) -> None:
 
 def _on_parent_death(signum: int) -> bool:
     """Have the kernel send ``signum`` to this process when its parent dies; False where prctl is missing."""
+    return _prctl(_PR_SET_PDEATHSIG, signum)
+
+
+def _name_process(name: str) -> None:
+    _prctl(_PR_SET_NAME, ctypes.create_string_buffer(name.encode()[:15]))  # the kernel keeps 15 bytes
+
+
+def _prctl(option: int, value: Any) -> bool:
+    """Linux's prctl(2); False where it is missing."""
     try:
         libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, signum)
+        libc.prctl(option, value)
     except (OSError, AttributeError):
         return False
     return True
 
 
-def _watch_launcher(launcher_pid: int) -> None:
-    while os.getppid() == launcher_pid:
-        time.sleep(1.0)
+def _watch_process(pid: int, handle: Optional[int]) -> None:
+    if handle is not None:
+        select.select([handle], [], [])  # readable once the process has ended
+    else:
+        while _is_running(pid):
+            time.sleep(1.0)
+    _launcher_gone.set()
     os.kill(os.getpid(), STOP_SIGNAL)
+
+
+def _is_running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process holds the number now: ours has ended
+        return False
+    return True
 
 
 def _send(channel: Connection, report: WorkerReport) -> None:
@@ -223,16 +281,17 @@ def _flush() -> None:
 
 
 def run_workers(count: int, first_rank: int, target: Callable[..., None], target_args: tuple[Any, ...]) -> None:
-    """Run ``target(index, *target_args)`` in ``count`` spawned processes and wait for all of them.
+    """Run ``target(index, *target_args)`` in ``count`` worker processes and wait for all of them.
 
     A worker that fails stops the others and raises its error here as one line; SIGINT stops
     them all and raises :class:`Interrupted`; SIGTERM or SIGUSR1 preempts them (they save and
     stop) and raises :class:`Preempted`.
     """
-    context = mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(_preload(target, target_args))  # read when the server starts
     pipes = [context.Pipe(duplex=False) for _ in range(count)]
     processes = [
-        context.Process(target=_worker_main, name=f"hetfair-rank{first_rank + i}",
+        context.Process(target=_worker_main, name=f"{RANK_PROCESS_PREFIX}{first_rank + i}",
                         args=(i, first_rank + i, pipes[i][1], os.getpid(), target, target_args))
         for i in range(count)
     ]
@@ -255,6 +314,14 @@ def run_workers(count: int, first_rank: int, target: Callable[..., None], target
     preempted = watch.preempted(received.preempt)
     if preempted is not None:
         raise preempted
+
+
+def _preload(target: Callable[..., None], target_args: tuple[Any, ...]) -> list[str]:
+    """What the fork server imports before it forks a worker (torch with them): the modules of the worker's
+    functions and the main module, the heavy part of every rank's start."""
+    functions = [target, *(arg for arg in target_args if callable(arg))]
+    return list(dict.fromkeys(["__main__", *(getattr(function, "__module__", None) or "__main__"
+                                              for function in functions)]))
 
 
 class _LauncherSignals:
@@ -305,14 +372,22 @@ def _launcher_signals(processes: Sequence[mp.process.BaseProcess]) -> Iterator[_
 
 
 def _start(processes: Sequence[mp.process.BaseProcess]) -> None:
-    """Start the workers with SIGINT ignored and the worker signals blocked (both inherited across exec):
-    Ctrl-C reaches the launcher only, and a signal that comes before a worker's handlers waits for them."""
+    """Start the workers as :func:`worker_start_state` says."""
+    with worker_start_state():
+        for process in processes:
+            process.start()
+
+
+@contextmanager
+def worker_start_state() -> Iterator[None]:
+    """SIGINT ignored and the worker signals blocked while workers start: Ctrl-C reaches the launcher only, and a
+    signal that comes before a worker's handlers waits for them. The fork server, started by the first worker's
+    start, inherits both across exec, and its children inherit them from it."""
     in_main_thread = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGINT, signal.SIG_IGN) if in_main_thread else None
     blocked = signal.pthread_sigmask(signal.SIG_BLOCK, _WORKER_SIGNALS)
     try:
-        for process in processes:
-            process.start()
+        yield
     finally:
         signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         if in_main_thread:
