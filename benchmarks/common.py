@@ -177,15 +177,18 @@ def descendants(pid: int) -> list[int]:
 
 
 def rank_pids(root: int) -> list[int]:
-    """The hetfair rank processes below ``root``, in rank order (a worker's process name is ``hetfair-rank<N>``)."""
+    """The hetfair rank processes below ``root``, in rank order (a worker names itself ``hetfair-rank<N>``)."""
+    from hetfair.launch.supervisor import RANK_PROCESS_PREFIX
+
     ranks = {}
     for pid in descendants(root):
         try:
             name = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
             continue
-        if name.startswith("hetfair-rank") and name[len("hetfair-rank"):].isdigit():
-            ranks[int(name[len("hetfair-rank"):])] = pid
+        rank = name.removeprefix(RANK_PROCESS_PREFIX)
+        if rank != name and rank.isdigit():
+            ranks[int(rank)] = pid
     return [ranks[rank] for rank in sorted(ranks)]
 
 

@@ -43,8 +43,6 @@ _CONTEXT.set_forkserver_preload([
 
 def _run_main(args: list[str], cwd: str, env: dict[str, str], out_path: str, err_path: str, server: str) -> None:
     """The child: the command's directory, environment and output files, then ``hetfair-train``'s main."""
-    import torch
-
     from hetfair_cli.train import main
 
     resource_tracker._resource_tracker._fd = None  # its own tracker, started when needed, as a fresh process has:
@@ -54,9 +52,7 @@ def _run_main(args: list[str], cwd: str, env: dict[str, str], out_path: str, err
     forkserver._forkserver._forkserver_address = server  # its workers are forked from this server too
     forkserver._forkserver.ensure_running = resource_tracker.ensure_running
     os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
-    torch.set_num_threads(int(env.get("OMP_NUM_THREADS", "1")))  # read once by torch, before this fork
+    _adopt_environment(env)
     sys.argv = ["hetfair-train", *args]
     added = [entry for entry in env.get("PYTHONPATH", "").split(os.pathsep) if entry and entry not in sys.path]
     sys.path[:0] = added  # an interpreter started with this environment would search them first
@@ -78,17 +74,23 @@ class _CommandState:
 
 def _take_command_state(env: dict[str, str], stdout: Any, stderr: Any) -> dict:
     """In the worker, as its preparation data is read: the starting process's environment and output."""
-    import torch
-
-    os.environ.clear()
-    os.environ.update(env)
-    if "OMP_NUM_THREADS" in env:
-        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))  # torch read it once, in the server
+    _adopt_environment(env)
     for fd, inherited in ((1, stdout), (2, stderr)):
         received = inherited.detach()
         os.dup2(received, fd)
         os.close(received)
     return {}
+
+
+def _adopt_environment(env: Mapping[str, str]) -> None:
+    """This process's environment becomes ``env``, with torch's thread count (which torch read once, in the
+    server) as ``OMP_NUM_THREADS`` says."""
+    import torch
+
+    os.environ.clear()
+    os.environ.update(env)
+    if "OMP_NUM_THREADS" in env:
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
 
 
 def _preparation_data(name: str) -> dict[str, Any]:

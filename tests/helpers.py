@@ -18,7 +18,7 @@ _SHARED = str(Path(__file__).resolve().parents[1] / "benchmarks")  # common.py: 
 if _SHARED not in sys.path:
     sys.path.append(_SHARED)
 
-from common import descendants, rank_pids  # noqa: E402,F401  (descendants: for the tests)
+from common import descendants, rank_pids as worker_pids  # noqa: E402,F401  (for the tests)
 
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
@@ -65,11 +65,6 @@ def run_train(args: Sequence[str], cwd: Path, timeout: float = 180) -> subproces
 def final_parameters(save_dir: Path) -> dict[str, torch.Tensor]:
     state = torch.load(save_dir / "checkpoint_last.pt", map_location="cpu", weights_only=True)
     return state["trainer"]["model"]
-
-
-def worker_pids(launcher_pid: int) -> list[int]:
-    """PIDs of the rank processes of a hetfair-train launcher, in rank order (not its fork server or resource tracker)."""
-    return rank_pids(launcher_pid)
 
 
 def child_pids(pid: int) -> list[int]:

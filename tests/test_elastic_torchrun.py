@@ -24,14 +24,8 @@ import sys
 import time
 from pathlib import Path
 
-from helpers import final_parameters, free_port, is_running, subprocess_env
+from helpers import descendants, final_parameters, free_port, is_running, subprocess_env
 from toy_reference import assert_same, reference_parameters, toy_train_args
-
-_SHARED = str(Path(__file__).resolve().parents[1] / "benchmarks")  # common.py, shared with bench_elastic
-if _SHARED not in sys.path:
-    sys.path.append(_SHARED)
-
-from common import descendants  # noqa: E402
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 # a node that left is noticed within ~3s of missed heartbeats; a round closes 1s after its last join

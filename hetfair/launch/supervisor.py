@@ -255,9 +255,7 @@ def _watch_process(pid: int, handle: Optional[int]) -> None:
 def _is_running(pid: int) -> bool:
     try:
         os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process holds the number now: ours has ended
+    except (ProcessLookupError, PermissionError):  # gone, or the number is another user's process now
         return False
     return True
 
