@@ -25,6 +25,7 @@ from hetfair.optim.implementation import IMPLEMENTATIONS
 from hetfair.parallel import (STRATEGY_REGISTRY, ZERO_SHARDING_FLAGS, ZERO_SHARDINGS, ParallelConfig,
                               check_strategy_options, plan_candidates)
 from hetfair.parallel.comm_hook import comm_hook_choices, comm_hook_flags, loadable_hooks
+from hetfair.parallel.outer_exchange import OUTER_REDUCE_DTYPES
 from hetfair.plugins import import_user_dir
 from hetfair.memory.sizes import format_size, parse_size
 from hetfair.plan import AUTO
@@ -313,6 +314,17 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     _option(group, "--outer-interval", bounds=Bounds(1), type=int, metavar="H",
             help="with --ddp-backend localsgd or diloco: inner updates per outer round, between two "
                  "synchronisations across nodes (default: 8)")
+    _option(group, "--outer-fragments", bounds=Bounds(1), type=int, default=1, metavar="K",
+            help="with --ddp-backend localsgd or diloco: split the model into K fragments of about equal bytes "
+                 "that meet in turn, one every H/K inner updates, so the link carries 1/K of the model at a time "
+                 "(Streaming DiLoCo; default: 1, the whole model every H updates)")
+    group.add_argument("--outer-overlap", action="store_true",
+                       help="with --ddp-backend localsgd or diloco: send each fragment's pseudo-gradient in the "
+                            "background and apply its outer step at the next meeting, while inner updates go on")
+    group.add_argument("--outer-reduce-dtype", choices=OUTER_REDUCE_DTYPES, default="fp32",
+                       help="with --ddp-backend localsgd or diloco: how pseudo-gradients cross the link: fp32 "
+                            "(exact), or packed bf16, int8 or int4 with per-block scales and error feedback "
+                            "(2, 4 or about 7 times fewer bytes; not exact)")
     _option(group, "--outer-lr", bounds=POSITIVE, type=float, metavar="LR",
             help="with --ddp-backend diloco: learning rate of the outer SGD on the averaged pseudo-gradients "
                  "(default: 0.7, as in the DiLoCo paper)")

@@ -53,6 +53,12 @@ class ParallelConfig:
     """DiLoCo: the outer SGD's learning rate (``None``: not given, 0.7 as in the DiLoCo paper)."""
     outer_momentum: Optional[float] = None
     """DiLoCo: the outer SGD's Nesterov momentum (``None``: not given, 0.9 as in the DiLoCo paper)."""
+    outer_fragments: int = 1
+    """Outer loop: the fragments the model is split into, meeting in turn (Streaming DiLoCo)."""
+    outer_overlap: bool = False
+    """Outer loop: exchange each fragment's pseudo-gradient in the background, applied at the next meeting."""
+    outer_reduce_dtype: str = "fp32"
+    """Outer loop: how pseudo-gradients cross the link, ``fp32`` (exact) or packed ``bf16``, ``int8``, ``int4``."""
     reduce_dtype: str = "fp32"
     """Fully or hybrid sharded: the dtype gradients are reduce-scattered (and all-reduced) in, ``fp32`` or ``bf16``."""
     shard_group_size: Optional[int] = None
@@ -72,7 +78,8 @@ class ParallelConfig:
     def from_args(cls, args: argparse.Namespace) -> "ParallelConfig":
         return cls(args.ddp_backend, args.zero_sharding, args.zero_shard_weights, not args.no_reshard_after_forward,
                    args.find_unused_parameters, args.bucket_cap_mb, args.outer_interval, args.outer_lr,
-                   args.outer_momentum, reduce_dtype=args.reduce_dtype, shard_group_size=args.shard_group_size,
+                   args.outer_momentum, outer_fragments=args.outer_fragments, outer_overlap=args.outer_overlap,
+                   outer_reduce_dtype=args.outer_reduce_dtype, reduce_dtype=args.reduce_dtype, shard_group_size=args.shard_group_size,
                    shard_fractions=parse_shard_fractions(args.shard_fractions),
                    offload=bool(args.offload), ddp_comm_hook=args.ddp_comm_hook, comm_options=options_from_args(args))
 
@@ -81,6 +88,8 @@ class ParallelConfig:
         return {"--ddp-backend": self.ddp_backend, "--zero-sharding": self.zero_sharding,
                 "--zero-shard-weights": self.zero_shard_weights, "--outer-interval": self.outer_interval,
                 "--outer-lr": self.outer_lr, "--outer-momentum": self.outer_momentum,
+                "--outer-fragments": self.outer_fragments, "--outer-overlap": self.outer_overlap,
+                "--outer-reduce-dtype": self.outer_reduce_dtype,
                 "--reduce-dtype": self.reduce_dtype, "--shard-group-size": self.shard_group_size,
                 "--shard-fractions": self.shard_fractions,
                 "--ddp-comm-hook": self.ddp_comm_hook, **dict(self.comm_options)}

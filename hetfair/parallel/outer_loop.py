@@ -22,38 +22,55 @@ sample count, so each node's inner update is the mean gradient of its own sample
 With H = 1 and inner SGD, ``localsgd`` is therefore exactly the sample-weighted update
 of ``c10d`` (and ``diloco`` that update under an outer Nesterov SGD).
 
-Built on torch's ``torch.distributed.algorithms.model_averaging.utils.average_parameters``
-(one flat all-reduce of the tensors, divided by the world size), given each rank's
-delta pre-scaled by ``n_r * world_size / N``, and on ``torch.optim.SGD`` as the outer
-optimizer. Not torchft's ``LocalSGD``/``DiLoCo``: they need torchft's ``Manager``, a
+The exchange is :mod:`hetfair.parallel.outer_exchange` (in fp32 the arithmetic of torch's
+``model_averaging.utils.average_parameters``, given each rank's delta pre-scaled by
+``n_r * world_size / N``), the outer optimizer ``torch.optim.SGD``. Not torchft's ``LocalSGD``/``DiLoCo``: they need torchft's ``Manager``, a
 lighthouse server and its own reconfigurable process groups (fault tolerance
 hetfair's launcher and elastic resume already cover), and they average uniformly,
 so the sample weighting would need the same pre-scaling anyway.
 
+Over a slow link the outer step can stream (Streaming DiLoCo, Douillard et al. 2025):
+``--outer-fragments K`` splits the model into K fragments of about equal bytes
+(:mod:`hetfair.parallel.outer_fragments`) that meet in turn, fragment ``k`` after
+inner update ``(k + 1) H / K`` of each round, so the link carries 1/K of the model at a
+time; ``--outer-overlap`` sends each fragment's pseudo-gradient in the background and
+applies its outer step at the next meeting (``H / K`` inner updates later; one round for
+K = 1) while the inner updates go on. The inner progress made meanwhile is kept: the
+fragment becomes ``anchor' + (params_now - params_sent)``, so the next pseudo-gradient
+holds exactly the inner steps since the last send. ``--outer-reduce-dtype`` packs the
+pseudo-gradients as bf16, int8 or int4 with error feedback
+(:mod:`hetfair.parallel.outer_exchange`). K = 1, no overlap and fp32 is plain DiLoCo, bit
+for bit.
+
 A round also ends early at the end of every epoch and before every validation and
 save (one line says so the first time), so that the model validated and saved is
-the one every rank holds. Checkpoints are therefore always at round boundaries:
-they hold the parameters (the anchor), the outer optimizer's momentum and each rank's
-inner optimizer state (nodes' inner states differ), so a resume is exact.
+the one every rank holds. Checkpoints are therefore always at round boundaries (every
+fragment met, nothing in flight): they hold the parameters (the anchor), the outer
+optimizer's momentum, each rank's inner optimizer state (nodes' inner states differ) and,
+with a lossy ``--outer-reduce-dtype``, each rank's error-feedback residual, so a resume is
+exact.
 """
 
 from __future__ import annotations
 
 import logging
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from typing import Any, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.algorithms.model_averaging.utils import average_parameters
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from hetfair.parallel import register_strategy
+from hetfair.errors import ConfigError
 from hetfair.parallel.collectives import all_gather_ints
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.outer_exchange import OuterExchange, PendingExchange
+from hetfair.parallel.outer_fragments import split_fragments, sync_offsets
 from hetfair.parallel.strategy import Strategy, refusal_of_backend
 
 logger = logging.getLogger(__name__)
@@ -70,12 +87,39 @@ def node_ranks(context: DistributedContext) -> list[list[int]]:
     return [[rank for rank, first in enumerate(firsts) if first == node] for node in sorted(set(firsts))]
 
 
+@dataclass
+class _Fragment:
+    """One fragment of the outer loop's parameters and where its round stands."""
+
+    indices: list[int]
+    """Its parameters' indices into the trainer's parameters (and the anchor)."""
+    offset: int
+    """The inner update of each round (1 to H) after which it meets."""
+    exchange: OuterExchange
+    samples: list[float]
+    """Every rank's summed sample sizes since it last met (its weights ``n_r``), by rank."""
+    updates: int = 0
+    """Inner updates since it last met."""
+    pending: Optional[PendingExchange] = None
+    """Its exchange under way (``--outer-overlap``), applied at the next meeting."""
+    sent: list[torch.Tensor] = field(default_factory=list)
+    """Its parameters as they were sent (``--outer-overlap``): the base of the inner progress kept."""
+
+
 class OuterLoopStrategy(Strategy):
     """Inner updates inside each node, an outer step across nodes every ``--outer-interval`` updates."""
 
-    owned_flags = ("--outer-interval", "--find-unused-parameters", "--bucket-cap-mb")  # DDP inside each node
+    owned_flags = ("--outer-interval", "--outer-fragments", "--outer-overlap", "--outer-reduce-dtype",
+                   "--find-unused-parameters", "--bucket-cap-mb")  # DDP inside each node
     outer_lr = 1.0
     outer_momentum = 0.0
+
+    @classmethod
+    def check_options(cls, config: ParallelConfig) -> None:
+        interval = config.outer_interval or DEFAULT_INTERVAL
+        if config.outer_fragments > interval:
+            raise ConfigError(f"--outer-fragments {config.outer_fragments} needs --outer-interval of at least "
+                              f"{config.outer_fragments} (each fragment meets once a round), got {interval}")
 
     @classmethod
     def live_recovery_refusal(cls, config: ParallelConfig) -> Optional[str]:
@@ -87,17 +131,23 @@ class OuterLoopStrategy(Strategy):
         nodes = node_ranks(context)
         self.node = next(ranks for ranks in nodes if context.rank in ranks)
         self.node_group = _node_group(nodes, self.node) if context.is_distributed else None
+        self.outer_group = dist.new_group(list(range(context.world_size))) \
+            if context.is_distributed and config.outer_overlap else None
+        """Background exchanges get a group of their own: nothing else queues behind them."""
+        self.units: Sequence[nn.Module] = ()
         self.anchor: list[torch.Tensor] = []
+        self.fragments: list[_Fragment] = []
         self.outer_optimizer: Optional[torch.optim.SGD] = None
         self.inner_updates = 0
-        """Inner updates of the current round."""
-        self.rank_samples = 0.0
-        """This rank's summed sample sizes of the round (its weight ``n_r``)."""
-        self.round_samples = 0.0
-        """All ranks' summed sample sizes of the round (``N``)."""
+        """Inner updates since the rounds began (the start, or the last :meth:`synchronize`)."""
+        self._in_flight: Optional[_Fragment] = None
         self._cut_short_told = False
 
     # -- the model -------------------------------------------------------------------------
+    def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
+        """Nothing is sharded; the units are where fragments may be cut."""
+        self.units = units
+
     def wrap(self, model: nn.Module) -> nn.Module:
         params = [p for p in model.parameters() if p.requires_grad]
         if self.context.is_distributed:
@@ -106,6 +156,13 @@ class OuterLoopStrategy(Strategy):
         momentum = self.outer_momentum
         self.outer_optimizer = torch.optim.SGD(self.anchor, lr=self.outer_lr, momentum=momentum,
                                                nesterov=momentum > 0)
+        world = self.context.world_size
+        offsets = sync_offsets(self.interval, self.config.outer_fragments)
+        self.fragments = [
+            _Fragment(indices, offset, OuterExchange(self.config.outer_reduce_dtype,
+                                                     sum(params[i].numel() for i in indices), self.context.device,
+                                                     self.outer_group, world), [0.0] * world)
+            for indices, offset in zip(split_fragments(params, self.units, self.config.outer_fragments), offsets)]
         if len(self.node) < 2:
             return model  # one process per node: its inner updates communicate nothing
         device = self.context.device
@@ -134,40 +191,68 @@ class OuterLoopStrategy(Strategy):
             dist.all_reduce(found_inf, op=dist.ReduceOp.MAX)
 
     def after_step(self, params: Sequence[nn.Parameter], rank_sample_sizes: Sequence[float]) -> None:
-        """Count the inner update and its samples; the H-th ends the round."""
+        """Count the inner update and its samples; a fragment whose turn it is meets."""
         self.inner_updates += 1
-        self.rank_samples += rank_sample_sizes[self.context.rank]
-        self.round_samples += sum(rank_sample_sizes)
-        if self.inner_updates == self.interval:
-            self._end_round(params)
+        position = (self.inner_updates - 1) % self.interval + 1
+        for fragment in self.fragments:
+            fragment.updates += 1
+            fragment.samples = [mine + more for mine, more in zip(fragment.samples, rank_sample_sizes)]
+        for fragment in self.fragments:
+            if fragment.offset == position:
+                self._meet(fragment, params, background=self.config.outer_overlap)
 
     def synchronize(self, params: Sequence[nn.Parameter]) -> None:
-        """End the round early (before a validation or save, at an epoch's end), if it has begun."""
-        if self.inner_updates == 0:
-            return
-        if not self._cut_short_told and self.context.is_master:
-            logger.info(f"outer | a round ended after {self.inner_updates} of --outer-interval {self.interval} "
+        """End the round early (before a validation or save, at an epoch's end), if it has begun: every
+        fragment meets, and nothing stays in flight."""
+        cut_short = any(fragment.updates for fragment in self.fragments)
+        if cut_short and not self._cut_short_told and self.context.is_master:
+            position = self.inner_updates % self.interval
+            logger.info(f"outer | a round ended after {position} of --outer-interval {self.interval} "
                         f"inner updates: rounds also end at epoch ends and before validating or saving, so that "
                         f"every rank holds the model validated and saved")
             self._cut_short_told = True
-        self._end_round(params)
+        self._finish_in_flight(params)
+        for fragment in self.fragments:
+            if fragment.updates:
+                self._meet(fragment, params, background=False)
+        self.inner_updates = 0
 
     @torch.no_grad()
-    def _end_round(self, params: Sequence[nn.Parameter]) -> None:
-        """The outer step: the sample-weighted mean of the ranks' pseudo-gradients into the outer SGD."""
-        assert self.outer_optimizer is not None
-        deltas = torch._foreach_sub(self.anchor, [p.detach() for p in params])
-        weight = self.rank_samples * self.context.world_size / self.round_samples if self.round_samples else 0.0
-        torch._foreach_mul_(deltas, weight)
-        if self.context.is_distributed:
-            average_parameters(iter(deltas), dist.group.WORLD)  # in place: sum over ranks / world size
-        for anchor, delta in zip(self.anchor, deltas):
+    def _meet(self, fragment: _Fragment, params: Sequence[nn.Parameter], background: bool) -> None:
+        """Send the fragment's pseudo-gradient (after applying the one in flight); apply it now unless in the
+        ``background``."""
+        self._finish_in_flight(params)
+        own = [params[i].detach() for i in fragment.indices]
+        deltas = torch._foreach_sub([self.anchor[i] for i in fragment.indices], own)
+        fragment.pending = fragment.exchange.start(deltas, fragment.samples, self.context.rank, background)
+        fragment.samples, fragment.updates = [0.0] * len(fragment.samples), 0
+        if background:
+            fragment.sent = [p.clone() for p in own]
+            self._in_flight = fragment
+        else:
+            self._apply(fragment, params)
+
+    def _finish_in_flight(self, params: Sequence[nn.Parameter]) -> None:
+        if self._in_flight is not None:
+            fragment, self._in_flight = self._in_flight, None
+            self._apply(fragment, params)
+
+    @torch.no_grad()
+    def _apply(self, fragment: _Fragment, params: Sequence[nn.Parameter]) -> None:
+        """The fragment's outer step: the ranks' sample-weighted mean pseudo-gradient into the outer SGD; its
+        parameters become the new anchor (plus the inner progress since they were sent, in the background)."""
+        assert self.outer_optimizer is not None and fragment.pending is not None
+        anchors = [self.anchor[i] for i in fragment.indices]
+        for anchor, delta in zip(anchors, fragment.pending.wait()):
             anchor.grad = delta
         self.outer_optimizer.step()
         self.outer_optimizer.zero_grad(set_to_none=True)
-        for param, anchor in zip(params, self.anchor):
-            param.copy_(anchor)
-        self.inner_updates, self.rank_samples, self.round_samples = 0, 0.0, 0.0
+        own = [params[i] for i in fragment.indices]
+        if fragment.sent:
+            torch._foreach_add_(own, torch._foreach_sub(anchors, fragment.sent))
+        else:
+            torch._foreach_copy_(own, anchors)
+        fragment.pending, fragment.sent = None, []
 
     # -- checkpoint state -------------------------------------------------------------------
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -178,14 +263,18 @@ class OuterLoopStrategy(Strategy):
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                              params: Sequence[nn.Parameter]) -> Optional[dict[str, Any]]:
         """Rank 0's inner state in plain format (any mode can resume it), plus every rank's inner tensors
-        and the outer optimizer's state: a collective (the ranks' tensors are gathered to rank 0)."""
+        (and error-feedback residuals) and the outer optimizer's state: a collective (the ranks' tensors are
+        gathered to rank 0)."""
         assert self.outer_optimizer is not None
         state = optimizer.state_dict()
         tensors, _ = tree_flatten(state["state"])
         per_rank = _gather_to_rank_0(self.context, [t for t in tensors if isinstance(t, torch.Tensor)])
+        residuals = [fragment.exchange.residual for fragment in self.fragments if fragment.exchange.residual.numel()]
+        rank_residuals = _gather_to_rank_0(self.context, residuals) if residuals else []
         if not self.context.is_master:
             return None
-        return {**state, OUTER_STATE: {"rank_tensors": per_rank, "outer": self.outer_optimizer.state_dict()}}
+        return {**state, OUTER_STATE: {"rank_tensors": per_rank, "outer": self.outer_optimizer.state_dict(),
+                                       "rank_residuals": rank_residuals}}
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   params: Sequence[nn.Parameter], state: dict[str, Any]) -> None:
@@ -200,6 +289,7 @@ class OuterLoopStrategy(Strategy):
         self.outer_optimizer.load_state_dict(outer["outer"])
         for group in self.outer_optimizer.param_groups:  # the command line's outer settings, not the checkpoint's
             group.update(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
+        self._load_residuals(outer.get("rank_residuals", []))
         per_rank = outer["rank_tensors"]
         if len(per_rank) != self.context.world_size:
             self._tell(f"restore | the checkpoint holds the inner optimizer states of {len(per_rank)} ranks, this "
@@ -210,6 +300,17 @@ class OuterLoopStrategy(Strategy):
         own = iter(per_rank[self.context.rank])
         leaves = [next(own) if isinstance(leaf, torch.Tensor) else leaf for leaf in leaves]
         optimizer.load_state_dict({**plain, "state": tree_unflatten(leaves, spec)})
+
+    def _load_residuals(self, rank_residuals: list[list[torch.Tensor]]) -> None:
+        """This rank's error-feedback residuals, where the checkpoint holds them for these fragments and ranks
+        (else they start at zero: what they hold is at most one rounding step of each rank's delta)."""
+        own = [fragment.exchange.residual for fragment in self.fragments if fragment.exchange.residual.numel()]
+        saved = rank_residuals[self.context.rank] if len(rank_residuals) == self.context.world_size else []
+        if own and [t.shape for t in saved] == [t.shape for t in own]:
+            torch._foreach_copy_(own, saved)
+        elif own:
+            self._tell("restore | the checkpoint has no error-feedback residuals for these fragments and ranks "
+                       "(another --outer-reduce-dtype, --outer-fragments or world size wrote it): they start at zero")
 
     def _tell(self, line: str) -> None:
         if self.context.is_master:
