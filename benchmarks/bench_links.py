@@ -68,6 +68,9 @@ MODES: dict[str, list[str]] = {
     "powersgd": ["--ddp-comm-hook", "powersgd", "--powersgd-rank", "4", "--powersgd-start-update", "2"],
     "hsdp-bf16": ["--ddp-backend", "hybrid_sharded", "--reduce-dtype", "bf16"],
     "diloco": ["--ddp-backend", "diloco", "--outer-interval", "4"],
+    "diloco-h8": ["--ddp-backend", "diloco", "--outer-interval", "8"],
+    "streaming-int4": ["--ddp-backend", "diloco", "--outer-interval", "8", "--outer-fragments", "4", "--outer-overlap",
+                       "--outer-reduce-dtype", "int4"],
 }
 """hetfair's modes for slow links, by name: the flags that turn each on."""
 VALID_BATCHES = 8
