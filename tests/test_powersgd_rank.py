@@ -1,4 +1,4 @@
-"""``choose_rank``: the rank ``--powersgd-rank auto`` would take from the measured link and the gradients' shapes."""
+"""The pure rules for slow links: the rank `--powersgd-rank auto` would take (`choose_rank`), and the outer-loop settings that fit a link (`fitting_outer`)."""
 
 from hetfair.parallel.powersgd import RANK_LADDER, choose_rank, sent_numbers
 
@@ -25,3 +25,14 @@ def test_a_fast_link_gets_the_top_of_the_ladder():
 
 def test_where_no_rank_fits_the_smallest_which_sends_least_is_chosen():
     assert choose_rank(SHAPES, bytes_per_second=1e6, budget_seconds=0.001) == 1
+
+
+def test_the_outer_advice_takes_the_smallest_interval_then_the_least_lossy_type_that_fits_the_link():
+    from hetfair.parallel.comm_advice import LinkMeasurement, fitting_outer
+    # 1M fp32 parameters; their all-reduce takes 1 s: an fp32 round costs 1 s, int4 (0.5 + 4/128 bytes) 0.133 s
+    link = LinkMeasurement(gradient_bytes=4_000_000, all_reduce_seconds=1.0, nodes=2, hooks=())
+    assert fitting_outer(1_000_000, 2, link, compute_seconds=0.25) == (4, "fp32")
+    # int8 (1 + 4/128 bytes) 0.258 s, bf16 0.5 s
+    assert fitting_outer(1_000_000, 2, link, compute_seconds=0.1) == (4, "int8")  # 4 updates: 0.4 s
+    assert fitting_outer(1_000_000, 2, link, compute_seconds=0.01) == (16, "int4")  # 0.16 s
+    assert fitting_outer(1_000_000, 2, link, compute_seconds=1e-4) is None  # 64 updates: 6.4 ms
