@@ -163,29 +163,3 @@ def _megabytes(count: float) -> str:
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
 
-
-OUTER_RATIO = 3.0
-"""Several times the compute: where even the fastest hook's all-reduce takes this many times an update's
-compute, no gradient hook hides it and the advice names ``--ddp-backend diloco`` settings that would fit."""
-
-OUTER_INTERVALS = (4, 8, 16, 32, 64)
-"""The outer intervals H the outer-loop advice picks from, smallest first (syncing more often keeps more loss)."""
-
-OUTER_DTYPES = ("fp32", "bf16", "int8", "int4")
-"""The outer reduce types it picks from, least lossy first."""
-
-
-def fitting_outer(parameter_count: int, world_size: int, link: LinkMeasurement,
-                  compute_seconds: float) -> Optional[tuple[int, str]]:
-    """``(H, dtype)``: the smallest outer interval, then the least lossy type, whose round's exchange
-    (:func:`hetfair.parallel.outer_exchange.bytes_sent` over the link's measured rate: an fp32 all-reduce
-    of the gradients' bytes sends ``bytes_sent(n, "fp32")`` in the measured time) takes at most H updates
-    of compute. Fragments (``--outer-fragments K``) split that exchange, 1/K of it within H/K updates,
-    so K does not change the fit; ``None`` where nothing on the ladders fits."""
-    from hetfair.parallel.outer_exchange import bytes_sent  # torch-free callers of the advice stay so
-    rate = bytes_sent(link.gradient_bytes // 4, "fp32", world_size) / max(link.all_reduce_seconds, 1e-9)
-    for interval in OUTER_INTERVALS:
-        for dtype in OUTER_DTYPES:
-            if bytes_sent(parameter_count, dtype, world_size) / rate <= interval * compute_seconds:
-                return interval, dtype
-    return None

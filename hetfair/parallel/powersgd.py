@@ -208,10 +208,6 @@ class PowerSGD(CommHook):
         return None
 
 
-RANK_LADDER = (1, 2, 4, 8, 16, 32)
-"""The ranks ``choose_rank`` picks from: doubling, so each step up sends about twice the P and Q."""
-
-
 def sent_numbers(shapes: Sequence[tuple[int, ...]], rank: int) -> int:
     """Numbers PowerSGD sends per update for gradients of ``shapes`` at ``rank``: ``(n + m) * r`` for each
     ``n x m`` matrix it compresses (P and Q), every other gradient whole (torch's ``_should_compress``)."""
@@ -223,17 +219,6 @@ def sent_numbers(shapes: Sequence[tuple[int, ...]], rank: int) -> int:
         compress, whole, compressed = _should_compress(*matrix, min(*matrix, rank), MIN_COMPRESSION_RATE)
         total += compressed if compress else whole
     return total
-
-
-def choose_rank(shapes: Sequence[tuple[int, ...]], bytes_per_second: float, budget_seconds: float,
-                element_size: int = 4) -> int:
-    """``--powersgd-rank auto``: the largest rank of :data:`RANK_LADDER` whose P, Q and whole vectors
-    (``element_size`` bytes a number) cross a link of ``bytes_per_second`` within ``budget_seconds``;
-    the smallest rank where none does (it sends least). Bandwidth-bound: latency is ignored, as in
-    :mod:`hetfair.parallel.comm_advice`."""
-    fitting = [rank for rank in RANK_LADDER
-               if sent_numbers(shapes, rank) * element_size / max(bytes_per_second, 1e-9) <= budget_seconds]
-    return max(fitting, default=RANK_LADDER[0])
 
 
 def _unflatten(spec: list[list[Any]], flat: torch.Tensor) -> ParamState:
