@@ -9,7 +9,6 @@ from __future__ import annotations
 import ctypes
 import json
 import logging
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -131,7 +130,7 @@ def big_mlp() -> nn.Module:
     return deferred_worker.big_model()  # 144 MiB of fp32 parameters, nine weights of 16 MiB
 
 
-@contextmanager
+@pytest.fixture
 def tensors_in_their_own_pages() -> Iterator[None]:
     """glibc serves allocations of 1 MiB and more from mappings of their own, returned when freed, so the
     resident set follows the live tensors. Left to itself, glibc raises its mmap threshold to the size of
@@ -146,14 +145,9 @@ def tensors_in_their_own_pages() -> Iterator[None]:
         libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # where glibc's own threshold would have grown to
 
 
-def test_materialising_one_tensor_at_a_time_never_holds_the_model():
+def test_materialising_one_tensor_at_a_time_never_holds_the_model(tensors_in_their_own_pages):
     """A quarter of each weight kept (a rank's shard of four): the peak is that quarter, plus one full weight
     being replayed and the scratch tensor the build advances the generator with, plus slack."""
-    with tensors_in_their_own_pages():
-        _materialise_the_big_model_one_tensor_at_a_time()
-
-
-def _materialise_the_big_model_one_tensor_at_a_time() -> None:
     full_value(next(build_deferred(lambda: nn.Linear(64, 64)).parameters()))  # pages in the code it runs
     reset_peak(CPU)
     start = current_bytes(CPU)

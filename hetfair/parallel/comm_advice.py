@@ -162,4 +162,3 @@ def _megabytes(count: float) -> str:
 
 def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3g} ms"
-

@@ -87,9 +87,16 @@ class PowerSGD(CommHook):
 
     def sent_fraction(self) -> float:
         """P and Q of each matrix it compresses, the rest whole, over the gradients' bytes."""
-        shapes = [tuple(param.shape) for param in self.params if param.requires_grad]
-        whole = sum(int(np.prod(shape)) for shape in shapes)
-        return sent_numbers(shapes, self.state.matrix_approximation_rank) / max(whole, 1)
+        total = whole_total = 0
+        for param in self.params:
+            if param.requires_grad:
+                rows = param.shape[0] if param.dim() else 1
+                matrix = (rows, param.numel() // rows)
+                rank = min(*matrix, self.state.matrix_approximation_rank)
+                compress, whole, compressed = _should_compress(*matrix, rank, MIN_COMPRESSION_RATE)
+                total += (compressed if compress else whole) * param.element_size()
+                whole_total += param.numel() * param.element_size()
+        return total / max(whole_total, 1)
 
     def discard_update(self) -> None:
         """Its non-finite error feedback and P/Q go too; PowerSGD then starts its memories afresh, as in its first
@@ -206,19 +213,6 @@ class PowerSGD(CommHook):
             return (f"the checkpoint's was of --powersgd-rank {state['powersgd_rank']}, this run has "
                     f"{self.state.matrix_approximation_rank}")
         return None
-
-
-def sent_numbers(shapes: Sequence[tuple[int, ...]], rank: int) -> int:
-    """Numbers PowerSGD sends per update for gradients of ``shapes`` at ``rank``: ``(n + m) * r`` for each
-    ``n x m`` matrix it compresses (P and Q), every other gradient whole (torch's ``_should_compress``)."""
-    total = 0
-    for shape in shapes:
-        rows = shape[0] if shape else 1
-        numel = int(np.prod(shape)) if shape else 1
-        matrix = (rows, numel // rows)
-        compress, whole, compressed = _should_compress(*matrix, min(*matrix, rank), MIN_COMPRESSION_RATE)
-        total += compressed if compress else whole
-    return total
 
 
 def _unflatten(spec: list[list[Any]], flat: torch.Tensor) -> ParamState:
