@@ -63,6 +63,10 @@ CASES = [
     (["--memory-budget", "65T"], "--memory-budget must be at most 64.0T, got 65.0T"),
     (["--powersgd-rank", "2"], "--powersgd-rank needs --ddp-comm-hook powersgd or auto (this command has "
                                "--ddp-comm-hook none)"),
+    (["--ddp-comm-hook", "powersgd", "--powersgd-rank", "foo"],
+     "--powersgd-rank must be a whole number of at least 1 or auto, got foo"),
+    (["--ddp-comm-hook", "auto", "--powersgd-rank", "0"],
+     "--powersgd-rank must be a whole number of at least 1 or auto, got 0"),
     (["--ddp-comm-hook", "bf16", "--powersgd-start-update", "5"],
      "--powersgd-start-update needs --ddp-comm-hook powersgd or auto (this command has --ddp-comm-hook bf16)"),
     (["--live-timeout", "5"], "--live-timeout needs --fault-tolerance live (this command has --fault-tolerance none)"),

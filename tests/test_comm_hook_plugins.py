@@ -111,7 +111,7 @@ def test_the_advice_weighs_a_plugin_hook_by_its_declared_cost(toy_hook_registere
     assert declared["powersgd"].sent == pytest.approx(62 / 195)
 
     def advice(fraction: float):  # a slow link between two nodes: the all-reduce takes the compute's time
-        return advise(LinkMeasurement(1_000_000, 0.1, 2, costs(fraction)), 0.1, "auto")
+        return advise(LinkMeasurement(1_000_000, 0.1, 2, costs(fraction), 250_000, 2), 0.1, "auto")
 
     cheap = advice(0.01)
     assert cheap.chosen == "toy_mean"

@@ -22,8 +22,9 @@ import torch.nn.functional as F
 from helpers import TOY_PLUGIN, final_parameters, free_port, rank_flags, run_nodes, subprocess_env, train_command
 from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.launch.rendezvous import SECRET_ENV
-from comm_reference import builtin_link as LinkMeasurement
-from hetfair.parallel.comm_advice import BOUND_RATIO, CommAdvisor, advise
+from comm_reference import CPU, builtin_link as LinkMeasurement
+from hetfair.parallel.comm_advice import BOUND_RATIO, CommAdvisor, advise, fit_outer_loop
+from hetfair.parallel.powersgd import AUTO_RANKS, PowerSGD
 from hetfair_cli.train import main as train_main
 from toy_plugin import Blobs, ToyMLP
 from toy_reference import LR, SEED, TRAIN_SIZE, toy_train_args
@@ -122,6 +123,26 @@ def test_lossy_mode_tracks_fp32_and_resumes_exactly(tmp_path, mode):
         assert_each_ranks_powersgd_state(midway["comm"], updates=5)
 
 
+def test_powersgd_rank_auto_chooses_once_and_a_resumed_run_keeps_the_choice(tmp_path):
+    """``--powersgd-rank auto`` all-reduces exactly until the advice chooses the rank (after update 3), the same as
+    that rank given from the start with ``--powersgd-start-update 3``; a run resumed after that keeps the rank and
+    continues exactly."""
+    not_the_rank = MODE_FLAGS["powersgd"][2:]
+    auto = ("--ddp-comm-hook", "powersgd", "--powersgd-rank", "auto", *not_the_rank)
+    resumed = tmp_path / "resumed"
+    first = launch(resumed, *auto, "--max-update", "5")
+    rank = load_checkpoint(resumed / "checkpoint_last.pt")["comm"]["powersgd_rank"]
+    assert rank in AUTO_RANKS
+    assert comm_lines(first[0])[0].startswith(f"comm | --powersgd-rank auto: rank {rank}")
+    second = launch(resumed, *auto)
+    assert f"comm | --powersgd-rank auto: rank {rank}, kept from the checkpoint" in comm_lines(second[0])
+    assert "starts afresh" not in second[0]
+    launch(tmp_path / "given", "--ddp-comm-hook", "powersgd", "--powersgd-rank", str(rank), *not_the_rank)
+    expected = final_parameters(tmp_path / "given")
+    for name, value in final_parameters(resumed).items():
+        assert torch.equal(value, expected[name]), name
+
+
 def assert_each_ranks_powersgd_state(state: dict, updates: int) -> None:
     assert state["world_size"] == 2 and state["iter"] == updates
     first, second = state["ranks"]
@@ -198,29 +219,88 @@ def test_the_advice_waits_for_the_second_updates_compute_time_and_comes_once():
     assert advisor.observe([0.1, 0.1]) is None
 
 
-def test_auto_on_a_slow_link_switches_to_powersgd_and_says_so(make_network, tmp_path):
+# PowerSGD on the toy MLP's Linear(8, 16) and Linear(16, 3), 195 numbers: a rank-r P and Q of the first weight are
+# 16r + 8r numbers, sent where that halves its 128 (r <= 2); of the second 3 min(r, 3) + 16 min(r, 3), sent where
+# that halves its 48 (r = 1); the biases (19) always whole
+SENT_BY_RANK = {1: 24 + 19 + 19, 2: 48 + 48 + 19, **{rank: 195 for rank in (4, 8, 16, 32)}}
+
+
+@pytest.mark.parametrize("budget, rank", [(0.1, 1), (0.4, 1), (0.6, 2), (0.9, 2), (1.0, 32)])
+def test_powersgd_rank_auto_takes_the_largest_rank_whose_all_reduce_fits_the_budget(budget, rank):
+    hook = PowerSGD({"--powersgd-rank": "auto", "--powersgd-start-update": 3}, CPU, ToyMLP(hidden=16).parameters())
+    line = hook.fit_link(1.0, budget)  # the exact all-reduce takes a second
+    fitting = [r for r in AUTO_RANKS if SENT_BY_RANK[r] / 195 <= budget]
+    assert rank == (fitting[-1] if fitting else 1)
+    assert hook.state.matrix_approximation_rank == rank
+    assert hook.sent_fraction() == pytest.approx(SENT_BY_RANK[rank] / 195)
+    assert line.startswith(f"comm | --powersgd-rank auto: rank {rank}")
+    assert (", the lowest: its all-reduce" in line) == (not fitting)
+    assert hook.fit_link(1.0, 10.0) is None  # chosen once
+
+
+def test_the_outer_loop_is_suggested_where_even_the_fastest_hook_takes_several_updates():
+    """4 MB of fp32 gradients in 0.4 s between two ranks: each sent 4 MB at 10 MB/s. A round's exchange sends
+    4 MB in fp32, 2 MB in bf16 and 1/128 more than 1 and 0.5 MB in int8 and int4 (a 4-byte scale per 128)."""
+    exchange = {"fp32": 0.4, "bf16": 0.2, "int8": 0.1 * 132 / 128, "int4": 0.05 * 136 / 128}
+    for dtype, seconds in exchange.items():
+        assert LINK.outer_seconds(dtype) == pytest.approx(seconds, rel=1e-3)  # whole blocks
+    compute = 0.005  # PowerSGD's ~20 ms is 4x: no hook will do
+    fit = fit_outer_loop(LINK, compute)
+    assert (fit.interval, fit.dtype, fit.fits) == (16, "int4", True)  # int4's 53 ms fits 16 x 5 ms, not 8 x 5
+    [verdict, outer] = advise(LINK, compute, "auto").lines()
+    assert verdict.endswith("bandwidth-bound: auto switches on powersgd (lossy), all-reduce ~20 ms")
+    assert outer == ("comm | even powersgd (lossy) takes ~20 ms, 4x an update's compute: the outer loop fits this "
+                     "link, its int4 exchange (~53.1 ms) running behind a round of 16 updates (~80 ms of compute); "
+                     "try --ddp-backend diloco --outer-interval 16 --outer-fragments 4 --outer-overlap "
+                     "--outer-reduce-dtype int4 in place of --ddp-comm-hook and its flags")
+    assert fit_outer_loop(LINK, 0.0001).fits is False  # int4 every 64 updates: 53 ms against 6.4 ms
+    assert len(advise(LINK, 0.01, "auto").lines()) == 1  # 20 ms is 2x the compute: PowerSGD will do
+
+
+def test_auto_on_a_slow_link_switches_to_powersgd_and_suggests_the_outer_loop_that_runs_as_typed(make_network,
+                                                                                                 tmp_path):
+    """Two hosts at 256 kbit/s: a wide toy model's 49 kB of gradients take about 1.5 s, against ~50 ms of compute
+    (which holds DDP's bucket rebuild: a sync over the link). auto switches PowerSGD on at its lowest rank
+    (``--powersgd-rank auto``: none fits), whose quarter of the bytes still takes over three updates: the outer
+    loop's settings are suggested, and the suggestion runs as typed."""
     network = make_network(2)
     for index in range(2):
-        network.shape(index, "256kbit")  # a wide toy model's 12 kB of gradients take about 0.4 s
+        network.shape(index, "256kbit")
     init = f"tcp://{network.hosts[0].address}:29500"
     env = {**subprocess_env(), SECRET_ENV: "the job's secret"}  # a rendezvous other machines can reach
-    procs = []
-    for rank, host in enumerate(network.hosts):
-        args = toy_train_args(tmp_path / "ckpt", 1, ("--toy-hidden", "256", "--ddp-comm-hook", "auto",
-                                                     "--powersgd-start-update", "2", "--max-update", "4",
-                                                     "--log-format", "simple"))
-        procs.append(subprocess.Popen(host.command(*train_command(*args, "--max-sentences", "16",
-                                                                  *rank_flags(rank, 2, init))),
-                                      cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True))
-    errors = [proc.communicate(timeout=240)[1] for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], errors
-    [line] = comm_lines(errors[0])
-    assert re.fullmatch(r"comm \| 0.0123 MB of gradients per update \| link .* MB/s \| all-reduce .* ms vs compute "
+
+    def train(save_dir: Path, *flags: str) -> str:
+        procs = []
+        for rank, host in enumerate(network.hosts):
+            args = toy_train_args(save_dir, 1, ("--toy-hidden", "1024", *flags, "--log-format", "simple"))
+            procs.append(subprocess.Popen(host.command(*train_command(*args, "--max-sentences", "16",
+                                                                      *rank_flags(rank, 2, init))),
+                                          cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True))
+        errors = [proc.communicate(timeout=240)[1] for proc in procs]
+        assert [proc.returncode for proc in procs] == [0, 0], errors
+        return errors[0]
+
+    comm_flags = ("--ddp-comm-hook", "auto", "--powersgd-rank", "auto", "--powersgd-start-update", "2")
+    lines = comm_lines(train(tmp_path / "ckpt", *comm_flags, "--max-update", "4"))
+    assert len(lines) == 3, lines
+    rank_line, verdict, outer = lines
+    assert re.fullmatch(r"comm \| --powersgd-rank auto: rank 1, the lowest: its all-reduce ~.* ms is longer than "
+                        r".* ms, half an update's compute", rank_line), rank_line
+    assert re.fullmatch(r"comm \| 0.0492 MB of gradients per update \| link .* MB/s \| all-reduce .* ms vs compute "
                         r".* ms per update \| bandwidth-bound: auto switches on powersgd \(lossy\), all-reduce "
-                        r"~.* ms", line), line
+                        r"~.* ms", verdict), verdict
     state = load_checkpoint(tmp_path / "ckpt" / "checkpoint_last.pt")["comm"]
-    assert state["mode"] == "powersgd" and state["iter"] == 4
+    assert state["mode"] == "powersgd" and state["iter"] == 4 and state["powersgd_rank"] == 1
     assert set(state["ranks"][0]) == {0, 1, 2, 3}  # compressing: every parameter has its error feedback
+
+    suggested = re.fullmatch(r"comm \| even powersgd \(lossy\) takes ~.* ms, .*x an update's compute: the outer loop "
+                             r"fits this link, .*; try (--ddp-backend diloco --outer-interval (\d+) .*) in place of "
+                             r"--ddp-comm-hook and its flags", outer)
+    assert suggested, outer
+    interval = int(suggested[2])
+    train(tmp_path / "outer", *suggested[1].split(), "--max-update", str(2 * interval))
+    outer = load_checkpoint(tmp_path / "outer" / "checkpoint_last.pt")["trainer"]["optimizer"]["outer_loop"]
+    assert outer["outer"]["state"]  # the outer momentum buffers: its rounds met
 
 
 def test_a_strategy_without_ddp_refuses_a_comm_hook_in_one_line(tmp_path, capsys):

@@ -19,12 +19,21 @@ the advised hook predicted fastest (built-in: bf16, fp16 and powersgd; bf16 befo
 equal bytes: it keeps fp32's range; each hook declares its place, :attr:`CommHook.tie_order`).
 ``auto`` switches that hook on and says so in the line; otherwise the line only suggests it.
 A lossy hook is always named lossy.
+
+Before the rule, a hook with a setting of ``auto`` fits it to the link (:meth:`CommHook.fit_link`:
+``--powersgd-rank auto`` takes the largest rank whose all-reduce fits :data:`BOUND_RATIO` of the
+compute), and its costs are read again. Where even the fastest advised hook's all-reduce is
+:data:`OUTER_RATIO` times the compute, no hook will do: a second line names the outer loop's
+settings that fit the link (:func:`fit_outer_loop`). No run switches strategy by itself, ``auto``
+included: the line is a suggestion to run as typed.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Optional, Protocol
+
+from hetfair.parallel.outer_exchange import bytes_sent
 
 BOUND_RATIO = 0.5
 """Bandwidth-bound: the exact all-reduce takes at least this share of an update's compute time."""
@@ -34,6 +43,18 @@ ADVISE_AFTER = 2
 
 EXACT = "none"
 """The exact all-reduce: the mode when not bandwidth-bound."""
+
+OUTER_RATIO = 3.0
+"""No hook will do: even the fastest advised hook's all-reduce takes this many times an update's compute."""
+
+OUTER_INTERVALS = (4, 8, 16, 32, 64)
+"""``--outer-interval`` values the outer-loop advice weighs, the smallest (the closest to DDP's loss) first."""
+
+OUTER_DTYPES = ("fp32", "bf16", "int8", "int4")
+"""``--outer-reduce-dtype`` values it weighs at each interval, the least lossy first."""
+
+OUTER_FRAGMENTS = 4
+"""``--outer-fragments`` it suggests: each fragment's exchange runs behind a quarter of the round's inner steps."""
 
 
 @dataclass(frozen=True)
@@ -60,11 +81,23 @@ class LinkMeasurement:
     """The nodes the job's ranks sit on (1: no network link between them)."""
     hooks: tuple[HookCost, ...]
     """This run's hooks, in order of preference at equal predicted time."""
+    parameters: int
+    """Values of the trainable parameters: what an outer-loop round exchanges."""
+    world_size: int
+    """The job's ranks: each sends its share of every all-reduce and its whole payload to every all-gather."""
 
     @property
     def bandwidth(self) -> float:
         """Bytes per second: gradient bytes over the all-reduce's time."""
         return self.gradient_bytes / max(self.all_reduce_seconds, 1e-9)
+
+    def outer_seconds(self, dtype: str) -> float:
+        """Seconds of one outer-loop exchange of every parameter in ``dtype``: the bytes each rank sends
+        (:func:`hetfair.parallel.outer_exchange.bytes_sent`) at the rate each rank sent during the measured
+        all-reduce (a ring's ``2 (w - 1) / w`` of the buffer)."""
+        world = self.world_size
+        sent_per_second = 2 * (world - 1) / world * self.gradient_bytes / max(self.all_reduce_seconds, 1e-9)
+        return bytes_sent(self.parameters, dtype, world) / sent_per_second
 
     def predicted_seconds(self, mode: str) -> float:
         """Seconds of one update's gradient communication in ``mode`` (bandwidth scaling, see the module)."""
@@ -89,43 +122,102 @@ class CommAdvice:
     """The mode that runs: ``suggested`` under ``auto``, else ``requested``."""
     kept: bool = False
     """``auto`` keeps the choice it made before a restart (``chosen``)."""
+    notes: tuple[str, ...] = ()
+    """What the hooks' ``auto`` settings chose (a ``comm |`` line each), before the verdict."""
+    outer: Optional["OuterFit"] = None
+    """Where no hook will do (:data:`OUTER_RATIO`): the outer loop's settings that fit the link."""
+
+    def lines(self) -> list[str]:
+        """Every ``comm |`` line: the hooks' choices, the verdict, and where no hook will do the outer loop's."""
+        return [*self.notes, self.line(), *([self.outer.line(self)] if self.outer is not None else [])]
 
     def line(self) -> str:
         """The one ``comm |`` line."""
         link = self.link
         facts = (f"comm | {_megabytes(link.gradient_bytes)} of gradients per update | link "
-                 f"{_megabytes(link.bandwidth)}/s | all-reduce {_ms(link.all_reduce_seconds)} vs compute "
-                 f"{_ms(self.compute_seconds)} per update | ")
+                 f"{_megabytes(link.bandwidth)}/s | all-reduce {milliseconds(link.all_reduce_seconds)} vs compute "
+                 f"{milliseconds(self.compute_seconds)} per update | ")
         return facts + self._verdict()
 
     def _verdict(self) -> str:
         bound = "bandwidth-bound" if self.bound else "not bandwidth-bound"
         if self.kept:
-            return f"{bound}: auto keeps {self._named(self.chosen)}, its choice before the restart"
+            return f"{bound}: auto keeps {self.named(self.chosen)}, its choice before the restart"
         if not self.bound:
             where = " (every rank on one node: no network link to spare)" if self.link.nodes == 1 else ""
             fits = f"not bandwidth-bound{where}: the exact all-reduce (none) fits"
             if self.requested == "auto":
                 return fits + "; auto keeps it"
-            return fits if self.chosen == EXACT else f"{fits}; this run uses {self._named(self.chosen)}"
-        fastest = f"{self._named(self.suggested)}, all-reduce ~{_ms(self.link.predicted_seconds(self.suggested))}"
+            return fits if self.chosen == EXACT else f"{fits}; this run uses {self.named(self.chosen)}"
+        fastest = (f"{self.named(self.suggested)}, all-reduce "
+                   f"~{milliseconds(self.link.predicted_seconds(self.suggested))}")
         if self.requested == "auto":
             return f"bandwidth-bound: auto switches on {fastest}"
         if self.chosen == self.suggested:
             return f"bandwidth-bound: this run uses the mode predicted fastest, {fastest}"
-        return f"bandwidth-bound: --ddp-comm-hook {fastest} would help; this run uses {self._named(self.chosen)}"
+        return f"bandwidth-bound: --ddp-comm-hook {fastest} would help; this run uses {self.named(self.chosen)}"
 
-    def _named(self, mode: str) -> str:
+    def named(self, mode: str) -> str:
+        """``mode``, and ``(lossy)`` where it is."""
         return f"{mode} (lossy)" if self.link.is_lossy(mode) else mode
 
 
-def advise(link: LinkMeasurement, compute_seconds: float, requested: str, kept: Optional[str] = None) -> CommAdvice:
+@dataclass(frozen=True)
+class OuterFit:
+    """The outer loop's settings for a link no hook will do: the smallest interval, then the least lossy
+    dtype, whose exchange fits in the round's compute (:func:`fit_outer_loop`)."""
+
+    interval: int
+    dtype: str
+    seconds: float
+    """One round's exchange, predicted from the measured link."""
+    fits: bool
+    """It fits; else these are the settings that send least and wait least."""
+
+    def flags(self) -> str:
+        """The flags to run with instead of ``--ddp-comm-hook`` and its own."""
+        return (f"--ddp-backend diloco --outer-interval {self.interval} --outer-fragments {OUTER_FRAGMENTS} "
+                f"--outer-overlap --outer-reduce-dtype {self.dtype}")
+
+    def line(self, advice: CommAdvice) -> str:
+        """The ``comm |`` line that suggests them, after the verdict of ``advice``."""
+        best = advice.link.predicted_seconds(advice.suggested)
+        compute = advice.compute_seconds
+        round_compute = self.interval * compute
+        start = (f"comm | even {advice.named(advice.suggested)} takes ~{milliseconds(best)}, "
+                 f"{best / compute:.3g}x an update's compute: ")
+        if self.fits:
+            middle = (f"the outer loop fits this link, its {self.dtype} exchange (~{milliseconds(self.seconds)}) "
+                      f"running behind a round of {self.interval} updates (~{milliseconds(round_compute)} of compute)")
+        else:
+            middle = (f"even the outer loop's least ({self.dtype} every {self.interval} updates, "
+                      f"~{milliseconds(self.seconds)}) outlasts a round's compute (~{milliseconds(round_compute)})")
+        return f"{start}{middle}; try {self.flags()} in place of --ddp-comm-hook and its flags"
+
+
+def fit_outer_loop(link: LinkMeasurement, compute_seconds: float) -> OuterFit:
+    """The first of :data:`OUTER_INTERVALS` x :data:`OUTER_DTYPES` (interval first) whose predicted exchange
+    (:meth:`LinkMeasurement.outer_seconds`) takes no longer than the round's compute, which it overlaps
+    (``--outer-overlap``); where none does, the largest interval with the smallest dtype."""
+    for interval in OUTER_INTERVALS:
+        for dtype in OUTER_DTYPES:
+            seconds = link.outer_seconds(dtype)
+            if seconds <= interval * compute_seconds:
+                return OuterFit(interval, dtype, seconds, True)
+    return OuterFit(OUTER_INTERVALS[-1], OUTER_DTYPES[-1], link.outer_seconds(OUTER_DTYPES[-1]), False)
+
+
+def advise(link: LinkMeasurement, compute_seconds: float, requested: str, kept: Optional[str] = None,
+           notes: tuple[str, ...] = ()) -> CommAdvice:
     """Apply the module's rule to the measurements; ``requested`` is ``--ddp-comm-hook``, ``kept`` the mode
-    ``auto`` chose before a restart (restored from the checkpoint; it stays)."""
+    ``auto`` chose before a restart (restored from the checkpoint; it stays), ``notes`` the lines of what
+    the hooks' ``auto`` settings chose."""
     bound = link.nodes > 1 and link.all_reduce_seconds >= BOUND_RATIO * compute_seconds
     suggested = _fastest(link) if bound else EXACT
     chosen = kept or (suggested if requested == "auto" else requested)
-    return CommAdvice(link, compute_seconds, requested, bound, suggested, chosen, kept is not None)
+    no_hook_will_do = bound and link.predicted_seconds(suggested) >= OUTER_RATIO * compute_seconds
+    outer = fit_outer_loop(link, compute_seconds) if no_hook_will_do else None
+    return CommAdvice(link, compute_seconds, requested, bound, suggested, chosen, kept is not None, notes, outer)
 
 
 def _fastest(link: LinkMeasurement) -> str:
@@ -134,13 +226,26 @@ def _fastest(link: LinkMeasurement) -> str:
     return min(advised, key=lambda mode: (link.predicted_seconds(mode), advised.index(mode)), default=EXACT)
 
 
-class CommAdvisor:
-    """Waits for the compute time of update attempt :data:`ADVISE_AFTER`, then gives the advice once."""
+class FittedHooks(Protocol):
+    """The run's hooks as the advice sees them (:class:`hetfair.parallel.gradient_comm.GradientComm`)."""
 
-    def __init__(self, link: LinkMeasurement, requested: str, kept: Optional[str] = None) -> None:
+    def fit_to_link(self, all_reduce_seconds: float, budget_seconds: float) -> list[str]:
+        """Fit every ``auto`` setting of the hooks to the link; a ``comm |`` line for each choice."""
+
+    def hook_costs(self) -> tuple[HookCost, ...]:
+        """Each hook's cost, after the fitting."""
+
+
+class CommAdvisor:
+    """Waits for the compute time of update attempt :data:`ADVISE_AFTER`, then gives the advice once;
+    ``hooks`` (where given) first fit their ``auto`` settings to a budget of :data:`BOUND_RATIO` of it."""
+
+    def __init__(self, link: LinkMeasurement, requested: str, kept: Optional[str] = None,
+                 hooks: Optional[FittedHooks] = None) -> None:
         self.link = link
         self.requested = requested
         self.kept = kept
+        self.hooks = hooks
         self._timed = 0
         self.advice: Optional[CommAdvice] = None
 
@@ -152,7 +257,11 @@ class CommAdvisor:
         self._timed += 1
         if self._timed < ADVISE_AFTER:
             return None
-        self.advice = advise(self.link, max(compute_seconds), self.requested, self.kept)
+        compute, link, notes = max(compute_seconds), self.link, ()
+        if self.hooks is not None:
+            notes = tuple(self.hooks.fit_to_link(link.all_reduce_seconds, BOUND_RATIO * compute))
+            link = replace(link, hooks=self.hooks.hook_costs())
+        self.advice = advise(link, compute, self.requested, self.kept, notes)
         return self.advice
 
 
@@ -160,5 +269,6 @@ def _megabytes(count: float) -> str:
     return f"{count / 1e6:.3g} MB"
 
 
-def _ms(seconds: float) -> str:
+def milliseconds(seconds: float) -> str:
+    """``seconds`` as ``12.3 ms``."""
     return f"{seconds * 1e3:.3g} ms"

@@ -12,7 +12,7 @@ declare themselves :attr:`CommHook.advised`.
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Mapping, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -82,6 +82,12 @@ class CommHook:
     def sent_fraction(self) -> float:
         """Bytes this hook sends per update, relative to the exact fp32 all-reduce's (the advice's cost)."""
         return 1.0
+
+    def fit_link(self, all_reduce_seconds: float, budget_seconds: float) -> Optional[str]:
+        """Once the advice knows an update's compute time: fit any ``auto`` setting of this hook to the link, whose
+        exact all-reduce takes ``all_reduce_seconds``, so that its own takes at most ``budget_seconds``; the one
+        ``comm |`` line that says what it chose (``None``: nothing to choose)."""
+        return None
 
     def discard_update(self) -> None:
         """The update was dropped (an fp16 overflow): forget what it left in the hook's state."""

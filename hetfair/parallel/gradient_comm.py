@@ -102,6 +102,16 @@ class GradientComm:
         ordered = sorted(self.hooks.items(), key=lambda item: (type(item[1]).tie_order, item[0]))
         return tuple(HookCost(name, hook.sent_fraction(), hook.lossy, hook.advised) for name, hook in ordered)
 
+    def fit_to_link(self, all_reduce_seconds: float, budget_seconds: float) -> list[str]:
+        """Each hook fits its ``auto`` settings to the link (:meth:`CommHook.fit_link`); their ``comm |`` lines."""
+        lines = (hook.fit_link(all_reduce_seconds, budget_seconds) for hook in self.hooks.values())
+        return [line for line in lines if line is not None]
+
+    @property
+    def parameter_count(self) -> int:
+        """Values of the trainable parameters."""
+        return sum(p.numel() for p in self.params if p.requires_grad)
+
     @property
     def gradient_bytes(self) -> int:
         """Bytes of one rank's gradients: what the exact all-reduce sends per update."""

@@ -88,16 +88,18 @@ class RunReports:
         if self.comm is None:
             return None
         link = LinkMeasurement(self.comm.gradient_bytes, self.comm.time_all_reduce(),
-                               len(gather_layout(self.context)), self.comm.hook_costs())
+                               len(gather_layout(self.context)), self.comm.hook_costs(), self.comm.parameter_count,
+                               self.context.world_size)
         kept = self.comm.mode if self.comm.requested == "auto" and self.comm.mode != "none" else None
-        return CommAdvisor(link, self.comm.requested, kept)
+        return CommAdvisor(link, self.comm.requested, kept, self.comm)
 
     def _advise_comm(self, result: UpdateResult) -> None:
-        """Once the compute time is known: log the ``comm |`` line; with ``auto``, switch to its choice."""
+        """Once the compute time is known: log the ``comm |`` lines; with ``auto``, switch to its choice."""
         advice = self.comm_advisor.observe(result.compute_seconds) if self.comm_advisor else None
         if advice is not None and self.comm is not None:
             self.comm.select(advice.chosen)
-            self._notice(advice.line())
+            for line in advice.lines():
+                self._notice(line)
 
     def _start_first_update_reports(self) -> None:
         """Before the first update: start measuring its memory, where the ``memory |`` table has something to say."""
