@@ -162,8 +162,9 @@ def test_the_slow_links_per_node_commands_run_as_typed(two_nodes, checkout):
     assert_both_succeeded(results)
     err_a = results[0][1]
     assert "per-rank batch rank 0: 24, rank 1: 8 |" in err_a and "done | num_updates 6 |" in err_a, err_a
-    [comm] = [line for line in err_a.splitlines() if line.startswith("comm | ")]
+    [comm, *outer] = [line for line in err_a.splitlines() if line.startswith("comm | ")]
     assert "powersgd (lossy)" in comm, comm
+    assert all(line.startswith("comm | even powersgd (lossy) takes") for line in outer), outer  # no hook will do
     assert (checkout / "checkpoints" / "slow-links" / "checkpoint_last.pt").exists()
 
 

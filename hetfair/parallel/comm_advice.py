@@ -38,8 +38,10 @@ from hetfair.parallel.outer_exchange import bytes_sent
 BOUND_RATIO = 0.5
 """Bandwidth-bound: the exact all-reduce takes at least this share of an update's compute time."""
 
-ADVISE_AFTER = 2
-"""The compute time is that of the update attempt with this number (the first one's holds warm-up work)."""
+ADVISE_AFTER = 3
+"""The compute time is that of the update attempt with this number: the first one's holds warm-up work, the
+second's DDP's bucket rebuild, a sync between the ranks at its forward (over a 256 kbit/s link, 25 ms against the
+1-3 ms of the updates around it)."""
 
 EXACT = "none"
 """The exact all-reduce: the mode when not bandwidth-bound."""

@@ -10,7 +10,7 @@ stored that way: a resumed run continues exactly where the saved one stopped.
 
 ``--powersgd-rank auto`` leaves the rank to the ``comm |`` advice (:meth:`PowerSGD.fit_link`): the
 largest of :data:`AUTO_RANKS` whose all-reduce fits the budget it is given, the lowest where none
-does. Until then (the third update) it all-reduces exactly, as before ``--powersgd-start-update``;
+does. Until then (the fourth update) it all-reduces exactly, as before ``--powersgd-start-update``;
 the choice goes into the checkpoint, and a resumed ``auto`` run keeps it.
 """
 
