@@ -201,12 +201,12 @@ def fit_outer_loop(link: LinkMeasurement, compute_seconds: float) -> OuterFit:
     """The first of :data:`OUTER_INTERVALS` x :data:`OUTER_DTYPES` (interval first) whose predicted exchange
     (:meth:`LinkMeasurement.outer_seconds`) takes no longer than the round's compute, which it overlaps
     (``--outer-overlap``); where none does, the largest interval with the smallest dtype."""
+    seconds = {dtype: link.outer_seconds(dtype) for dtype in OUTER_DTYPES}  # the same at every interval
     for interval in OUTER_INTERVALS:
         for dtype in OUTER_DTYPES:
-            seconds = link.outer_seconds(dtype)
-            if seconds <= interval * compute_seconds:
-                return OuterFit(interval, dtype, seconds, True)
-    return OuterFit(OUTER_INTERVALS[-1], OUTER_DTYPES[-1], link.outer_seconds(OUTER_DTYPES[-1]), False)
+            if seconds[dtype] <= interval * compute_seconds:
+                return OuterFit(interval, dtype, seconds[dtype], True)
+    return OuterFit(OUTER_INTERVALS[-1], OUTER_DTYPES[-1], seconds[OUTER_DTYPES[-1]], False)
 
 
 def advise(link: LinkMeasurement, compute_seconds: float, requested: str, kept: Optional[str] = None,
