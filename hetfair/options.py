@@ -25,6 +25,7 @@ from hetfair.optim.implementation import IMPLEMENTATIONS
 from hetfair.parallel import (STRATEGY_REGISTRY, ZERO_SHARDING_FLAGS, ZERO_SHARDINGS, ParallelConfig,
                               check_strategy_options, plan_candidates)
 from hetfair.parallel.comm_hook import comm_hook_choices, comm_hook_flags, loadable_hooks
+from hetfair.parallel.inner_steps import INNER_STEPS_BY
 from hetfair.parallel.outer_exchange import OUTER_REDUCE_DTYPES
 from hetfair.plugins import import_user_dir
 from hetfair.memory.sizes import format_size, parse_size
@@ -325,6 +326,11 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
                        help="with --ddp-backend localsgd or diloco: how pseudo-gradients cross the link: fp32 "
                             "(exact), or packed bf16, int8 or int4 with per-block scales and error feedback "
                             "(2, 4 or about 7 times fewer bytes; not exact)")
+    group.add_argument("--inner-steps-by", choices=INNER_STEPS_BY, default="count",
+                       help="with --ddp-backend localsgd or diloco: count takes one inner step per update on every "
+                            "node; time lets each node take as many steps of its batch size per update as its "
+                            "measured speed allows (a node twice as fast takes two), so no node waits for the "
+                            "slowest (docs: slow-links)")
     _option(group, "--outer-lr", bounds=POSITIVE, type=float, metavar="LR",
             help="with --ddp-backend diloco: learning rate of the outer SGD on the averaged pseudo-gradients "
                  "(default: 0.7, as in the DiLoCo paper)")

@@ -150,23 +150,84 @@ class Trainer:
         self._clock = _ComputeClock(self.params)
         self._last_seconds = 0.0  # this rank's compute seconds of the last update: they travel with the next
         self._last_samples: list[float] = []  # every rank's samples of the last update (empty: none yet)
+        self._pending: Optional[PendingStats] = None  # the update's stats all-reduce, once started
+        if loss_scaler is not None and self.strategy.inner_steps() is not None:
+            raise ConfigError("--inner-steps-by time cannot run with fp16's loss scaling (an overflow skips one "
+                              "update on every rank, and the nodes take different numbers of steps); use "
+                              "--precision bf16 or fp32, or --inner-steps-by count")
 
     # -- training --------------------------------------------------------------
     def train_step(self, samples: list[Optional[dict[str, Any]]]) -> Optional[UpdateResult]:
-        """One update over this rank's micro-batches (``None``: no data for that step)."""
+        """One update over this rank's micro-batches (``None``: no data for that step).
+
+        Where the strategy takes several steps per update (:meth:`Strategy.inner_steps`), the micro-batches are
+        cut into that many equal groups in order; each but the last is one optimizer step of its own, and the
+        last is the update's step, which the stats all-reduce of the whole update overlaps."""
         if not (self.model.training and self.criterion.training):  # validation left them in eval mode
             self.wrapped_model.train()
             self.criterion.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, Any] = {}
-        local_samples = 0
-        pending: Optional[PendingStats] = None
+        self._pending = None
         start = time.perf_counter()
         self._clock.last_grad_time = start
+        counts = self.strategy.inner_steps()
+        steps = counts[self.context.rank] if counts is not None else 1
+        size = len(samples) // steps
+        assert size * steps == len(samples), f"{len(samples)} micro-batches do not make {steps} equal steps"
 
         # 1. forward/backward of each micro-batch; gradients sync in the last backward only
-        for index, sample in enumerate(samples):
-            is_last = index == len(samples) - 1
+        local_samples = 0
+        for step in range(steps - 1):  # the inner steps before the update's own (--inner-steps-by time)
+            sample_size = totals.get("sample_size", 0.0)
+            local_samples += self._forward_backward(samples[step * size:(step + 1) * size], step * size, totals)
+            self._step(self.strategy.inner_normalising_factor(totals["sample_size"] - sample_size))  # no loss scale
+            self.optimizer.zero_grad(set_to_none=True)
+        own_sample_size = totals.get("sample_size", 0.0)
+        self._forward_backward(samples[len(samples) - size:], len(samples) - size, totals, stats_samples=local_samples)
+        assert self._pending is not None
+        synced = self._pending.wait()
+        self._last_seconds = self._clock.last_grad_time - start
+        samples_by_rank = synced.per_rank["samples"]
+        timing = (samples_by_rank, self._last_samples,
+                  synced.per_rank["compute_seconds"] if self._last_samples else [])
+        self._last_samples = samples_by_rank
+        if timing[2]:
+            self.strategy.observe_timings(timing[2])
+        total_sample_size = synced.totals["sample_size"]
+        if total_sample_size <= 0:
+            return None
+
+        # 2. normalise by the sample count (the strategy's: the global one, a node's in an outer loop), undo the
+        #    loss scale, clip and step
+        if counts is not None:
+            factor = self.strategy.inner_normalising_factor(totals["sample_size"] - own_sample_size)
+        else:
+            factor = self.strategy.normalising_factor(total_sample_size, synced.per_rank["sample_size"])
+        lr = self.optimizer.param_groups[0]["lr"]
+        gnorm = self._step(factor)
+        if gnorm is None:
+            return self._skip(synced, timing)
+
+        # 3. schedule
+        self.strategy.after_step(self.params, synced.per_rank["sample_size"])
+        self.num_updates += 1
+        self.lr_scheduler.step_update(self.num_updates)
+        if self.loss_scaler is not None:
+            self.loss_scaler.update(overflow=False)
+        clip_norm = self.config.clip_norm
+        return UpdateResult(synced.totals, *timing, lr=lr, gnorm=gnorm, clipped=clip_norm > 0 and gnorm > clip_norm,
+                            loss_scale=self._loss_scale())
+
+    def _forward_backward(self, samples: list[Optional[dict[str, Any]]], first_index: int, totals: dict[str, Any],
+                          stats_samples: Optional[int] = None) -> int:
+        """Forward and backward of one step's micro-batches (the first is the update's ``first_index``-th), their
+        logs summed into ``totals``; gradients sync in the last backward. With ``stats_samples`` (the samples of
+        the update's earlier steps) this is the update's last step: the stats all-reduce starts before its last
+        backward (:attr:`_pending`). Returns this rank's samples."""
+        local_samples = 0
+        for index, sample in enumerate(samples, first_index):
+            is_last = index == first_index + len(samples) - 1
             if sample is None and not self._joins_collectives(is_last):
                 continue  # nothing to compute and no collective to join
             _seed_rng(derived_seed(self.config.seed, self.num_updates, index, self.context.rank), self.context.device)
@@ -184,30 +245,25 @@ class Trainer:
                 sum_logs(totals, {**_batch_counts(batch, logs, sample is not None), **logs,
                                   "sample_size": float(sample_size)})
                 totals.update((key, value) for key, value in logs.items() if not is_summable(value))
-                if is_last:
-                    # 2. the stats all-reduce (logs, global sample size, per-rank timings) overlaps the last backward
-                    pending = self._start_stats_sync(totals, local_samples)
+                if is_last and stats_samples is not None:
+                    # the stats all-reduce (logs, global sample size, per-rank timings) overlaps the last backward
+                    self._pending = self._start_stats_sync(totals, stats_samples + local_samples)
                 if self.loss_scaler is not None:
                     loss = loss * self.loss_scaler.scale
                 loss.backward()
-        synced = (pending or self._start_stats_sync(totals, local_samples)).wait()
-        self._last_seconds = self._clock.last_grad_time - start
-        samples = synced.per_rank["samples"]
-        timing = (samples, self._last_samples, synced.per_rank["compute_seconds"] if self._last_samples else [])
-        self._last_samples = samples
-        total_sample_size = synced.totals["sample_size"]
-        if total_sample_size <= 0:
-            return None
+        if stats_samples is not None and self._pending is None:
+            self._pending = self._start_stats_sync(totals, stats_samples + local_samples)
+        return local_samples
 
-        # 3. normalise by the sample count (the strategy's: the global one, a node's in an outer loop), undo the loss scale;
-        #    without loss scaling or sharding, together with clipping below (see _defers_normalising)
-        factor = self.strategy.normalising_factor(total_sample_size, synced.per_rank["sample_size"])
+    def _step(self, factor: float) -> Optional[float]:
+        """Normalise the gradients by ``factor`` (without loss scaling or sharding, together with clipping: see
+        :attr:`_defers_normalising`), clip them by global norm and step; the gradient norm, or ``None`` on an
+        fp16 overflow (nothing stepped)."""
         grads = [p.grad for p in self.params if p.grad is not None]
         owed = factor if self._defers_normalising else 1.0
         if not self._defers_normalising and self._normalise(grads, factor):
-            return self._skip(synced, timing)
-
-        # 4. clip by global norm (over all shards; replicated gradients are identical on all ranks)
+            return None
+        # clip by global norm (over all shards; replicated gradients are identical on all ranks)
         gnorm, multiplier = self._clip_grad_norm(grads, owed)
         if not math.isfinite(gnorm):
             raise DivergenceError(
@@ -217,18 +273,8 @@ class Trainer:
             self._grad_scale.fill_(1.0 / multiplier)
         elif multiplier != 1.0:
             torch._foreach_mul_(grads, multiplier)
-
-        # 5. step and schedule
-        lr = self.optimizer.param_groups[0]["lr"]
         self.optimizer.step()
-        self.strategy.after_step(self.params, synced.per_rank["sample_size"])
-        self.num_updates += 1
-        self.lr_scheduler.step_update(self.num_updates)
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(overflow=False)
-        clip_norm = self.config.clip_norm
-        return UpdateResult(synced.totals, *timing, lr=lr, gnorm=gnorm, clipped=clip_norm > 0 and gnorm > clip_norm,
-                            loss_scale=self._loss_scale())
+        return gnorm
 
     def synchronize(self) -> None:
         """Make the model the same on every rank (an outer loop ends its round early); before validating or saving."""

@@ -6,6 +6,7 @@ import multiprocessing
 import sys
 from typing import Any, Callable, Iterator, Optional
 
+import numpy as np
 from torch.utils.data import DataLoader, Dataset
 
 from hetfair.data.batch_plan import BatchPlan
@@ -27,7 +28,8 @@ def worker_context() -> Optional[Any]:
 
 
 class RankBatches:
-    """Yields, for each step of ``plan``, this rank's batch or ``None``.
+    """Yields, for each step of ``plan``, this rank's batch or ``None``; with ``pieces``, that many batches
+    per step, the rank's samples of the step cut into near-equal consecutive parts.
 
     ``None`` means the rank has no samples in that step (a small share of a short
     last batch); it must still join the step's collectives with zero weight.
@@ -41,6 +43,7 @@ class RankBatches:
         rank: int,
         num_workers: int = 0,
         pin_memory: bool = False,
+        pieces: int = 1,
     ) -> None:
         self.dataset = dataset
         self.collater = collater
@@ -48,9 +51,11 @@ class RankBatches:
         self.rank = rank
         self.num_workers = num_workers
         self.pin_memory = pin_memory
+        self.pieces = pieces
 
     def __iter__(self) -> Iterator[Optional[dict[str, Any]]]:
-        index_lists = [self.plan.rank_indices(step, self.rank).tolist() for step in range(self.plan.num_steps)]
+        index_lists = [piece.tolist() for step in range(self.plan.num_steps)
+                       for piece in np.array_split(self.plan.rank_indices(step, self.rank), self.pieces)]
         non_empty = [indices for indices in index_lists if indices]
         if not non_empty:
             yield from (None for _ in index_lists)

@@ -59,6 +59,9 @@ class ParallelConfig:
     """Outer loop: exchange each fragment's pseudo-gradient in the background, applied at the next meeting."""
     outer_reduce_dtype: str = "fp32"
     """Outer loop: how pseudo-gradients cross the link, ``fp32`` (exact) or packed ``bf16``, ``int8``, ``int4``."""
+    inner_steps_by: str = "count"
+    """Outer loop: one inner step per update on every node (``count``), or as many as each node's speed allows
+    (``time``, :mod:`hetfair.parallel.inner_steps`)."""
     reduce_dtype: str = "fp32"
     """Fully or hybrid sharded: the dtype gradients are reduce-scattered (and all-reduced) in, ``fp32`` or ``bf16``."""
     shard_group_size: Optional[int] = None
@@ -79,7 +82,8 @@ class ParallelConfig:
         return cls(args.ddp_backend, args.zero_sharding, args.zero_shard_weights, not args.no_reshard_after_forward,
                    args.find_unused_parameters, args.bucket_cap_mb, args.outer_interval, args.outer_lr,
                    args.outer_momentum, outer_fragments=args.outer_fragments, outer_overlap=args.outer_overlap,
-                   outer_reduce_dtype=args.outer_reduce_dtype, reduce_dtype=args.reduce_dtype, shard_group_size=args.shard_group_size,
+                   outer_reduce_dtype=args.outer_reduce_dtype,
+                   inner_steps_by=args.inner_steps_by, reduce_dtype=args.reduce_dtype, shard_group_size=args.shard_group_size,
                    shard_fractions=parse_shard_fractions(args.shard_fractions),
                    offload=bool(args.offload), ddp_comm_hook=args.ddp_comm_hook, comm_options=options_from_args(args))
 
@@ -89,7 +93,7 @@ class ParallelConfig:
                 "--zero-shard-weights": self.zero_shard_weights, "--outer-interval": self.outer_interval,
                 "--outer-lr": self.outer_lr, "--outer-momentum": self.outer_momentum,
                 "--outer-fragments": self.outer_fragments, "--outer-overlap": self.outer_overlap,
-                "--outer-reduce-dtype": self.outer_reduce_dtype,
+                "--outer-reduce-dtype": self.outer_reduce_dtype, "--inner-steps-by": self.inner_steps_by,
                 "--reduce-dtype": self.reduce_dtype, "--shard-group-size": self.shard_group_size,
                 "--shard-fractions": self.shard_fractions,
                 "--ddp-comm-hook": self.ddp_comm_hook, **dict(self.comm_options)}

@@ -69,6 +69,7 @@ from hetfair.errors import ConfigError
 from hetfair.parallel.collectives import all_gather_ints
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.inner_steps import InnerStepCounts
 from hetfair.parallel.outer_exchange import OuterExchange, PendingExchange
 from hetfair.parallel.outer_fragments import split_fragments, sync_offsets
 from hetfair.parallel.strategy import Strategy, refusal_of_backend
@@ -110,7 +111,7 @@ class OuterLoopStrategy(Strategy):
     """Inner updates inside each node, an outer step across nodes every ``--outer-interval`` updates."""
 
     owned_flags = ("--outer-interval", "--outer-fragments", "--outer-overlap", "--outer-reduce-dtype",
-                   "--find-unused-parameters", "--bucket-cap-mb")  # DDP inside each node
+                   "--inner-steps-by", "--find-unused-parameters", "--bucket-cap-mb")  # DDP inside each node
     outer_lr = 1.0
     outer_momentum = 0.0
 
@@ -138,8 +139,10 @@ class OuterLoopStrategy(Strategy):
         self.anchor: list[torch.Tensor] = []
         self.fragments: list[_Fragment] = []
         self.outer_optimizer: Optional[torch.optim.SGD] = None
+        self.step_counts = InnerStepCounts(nodes) if config.inner_steps_by == "time" else None
+        """``--inner-steps-by time``: each node's inner steps per update."""
         self.inner_updates = 0
-        """Inner updates since the rounds began (the start, or the last :meth:`synchronize`)."""
+        """Updates since the rounds began (the start, or the last :meth:`synchronize`)."""
         self._in_flight: Optional[_Fragment] = None
         self._cut_short_told = False
 
@@ -184,6 +187,22 @@ class OuterLoopStrategy(Strategy):
         node_samples = sum(rank_sample_sizes[rank] for rank in self.node)
         return len(self.node) / node_samples if node_samples > 0 else 0.0
 
+    def inner_steps(self) -> Optional[Sequence[int]]:
+        return None if self.step_counts is None else self.step_counts.counts
+
+    def inner_normalising_factor(self, sample_size: float) -> float:
+        """The node's own mean over one inner step's samples (summed over the node's ranks where it has several)."""
+        node_samples = sample_size
+        if self.node_group is not None:
+            total = torch.tensor([sample_size], dtype=torch.float64)
+            dist.all_reduce(total, group=self.node_group)
+            node_samples = float(total.item())
+        return len(self.node) / node_samples if node_samples > 0 else 0.0
+
+    def observe_timings(self, seconds: Sequence[float]) -> None:
+        if self.step_counts is not None:
+            self.step_counts.observe(seconds)
+
     def agree_on_overflow(self, found_inf: torch.Tensor) -> None:
         """Nodes' gradients differ, and so may their overflow flags: all skip when one overflows, so the
         ranks keep counting the same updates."""
@@ -200,6 +219,8 @@ class OuterLoopStrategy(Strategy):
         for fragment in self.fragments:
             if fragment.offset == position:
                 self._meet(fragment, params, background=self.config.outer_overlap)
+        if position == self.interval:
+            self._recount_inner_steps()
 
     def synchronize(self, params: Sequence[nn.Parameter]) -> None:
         """End the round early (before a validation or save, at an epoch's end), if it has begun: every
@@ -215,7 +236,17 @@ class OuterLoopStrategy(Strategy):
         for fragment in self.fragments:
             if fragment.updates:
                 self._meet(fragment, params, background=False)
+        if self.inner_updates % self.interval:
+            self._recount_inner_steps()
         self.inner_updates = 0
+
+    def _recount_inner_steps(self) -> None:
+        """At a round boundary (``--inner-steps-by time``): the next round's inner steps per update, by node."""
+        counts = self.step_counts.decide() if self.step_counts is not None else None
+        if counts is not None:
+            per_round = ", ".join(f"node {node} {count * self.interval}" for node, count in enumerate(counts))
+            self._tell(f"outer | inner steps per round of {self.interval} updates by measured speed: {per_round} "
+                       f"({' : '.join(map(str, counts))} per update, --inner-steps-by time)")
 
     @torch.no_grad()
     def _meet(self, fragment: _Fragment, params: Sequence[nn.Parameter], background: bool) -> None:
@@ -273,8 +304,9 @@ class OuterLoopStrategy(Strategy):
         rank_residuals = _gather_to_rank_0(self.context, residuals) if residuals else []
         if not self.context.is_master:
             return None
+        inner_steps = self.step_counts.state_dict() if self.step_counts is not None else None
         return {**state, OUTER_STATE: {"rank_tensors": per_rank, "outer": self.outer_optimizer.state_dict(),
-                                       "rank_residuals": rank_residuals}}
+                                       "rank_residuals": rank_residuals, "inner_steps": inner_steps}}
 
     def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                                   params: Sequence[nn.Parameter], state: dict[str, Any]) -> None:
@@ -290,6 +322,7 @@ class OuterLoopStrategy(Strategy):
         for group in self.outer_optimizer.param_groups:  # the command line's outer settings, not the checkpoint's
             group.update(lr=self.outer_lr, momentum=self.outer_momentum, nesterov=self.outer_momentum > 0)
         self._load_residuals(outer.get("rank_residuals", []))
+        self._load_inner_steps(outer.get("inner_steps"))
         per_rank = outer["rank_tensors"]
         if len(per_rank) != self.context.world_size:
             self._tell(f"restore | the checkpoint holds the inner optimizer states of {len(per_rank)} ranks, this "
@@ -311,6 +344,19 @@ class OuterLoopStrategy(Strategy):
         elif own:
             self._tell("restore | the checkpoint has no error-feedback residuals for these fragments and ranks "
                        "(another --outer-reduce-dtype, --outer-fragments or world size wrote it): they start at zero")
+
+    def _load_inner_steps(self, state: Optional[dict[str, Any]]) -> None:
+        """``--inner-steps-by time``: the checkpoint's inner steps per update, where it has them for these nodes."""
+        if self.step_counts is None:
+            return
+        if state is not None and self.step_counts.load_state_dict(state):
+            counts = self.step_counts.node_counts()
+            if counts != [1] * len(counts):
+                self._tell(f"restore | inner steps per update by node, from the checkpoint: "
+                           f"{' : '.join(map(str, counts))} (--inner-steps-by time)")
+            return
+        self._tell("restore | the checkpoint has no inner step counts for these nodes (another --inner-steps-by or "
+                   "world wrote it): every node starts at one per update until its speed is measured")
 
     def _tell(self, line: str) -> None:
         if self.context.is_master:

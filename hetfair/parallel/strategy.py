@@ -150,6 +150,21 @@ class Strategy:
     def after_step(self, params: Sequence[nn.Parameter], rank_sample_sizes: Sequence[float]) -> None:
         """Called after each applied optimizer step, with every rank's sample size of the update."""
 
+    def inner_steps(self) -> Optional[Sequence[int]]:
+        """Every rank's optimizer steps per update, by rank, where they may differ and exceed one (an outer
+        loop's ``--inner-steps-by time``): each rank's micro-batches are then cut into that many equal groups,
+        each group one step normalised by :meth:`inner_normalising_factor`. ``None``: one step, by
+        :meth:`normalising_factor`."""
+        return None
+
+    def inner_normalising_factor(self, sample_size: float) -> float:
+        """Where :meth:`inner_steps` is not ``None``: what one step's reduced gradients are multiplied by, given
+        this rank's ``sample_size`` of that step."""
+        raise NotImplementedError(f"{type(self).__name__} takes one step per update")
+
+    def observe_timings(self, seconds: Sequence[float]) -> None:
+        """Every rank's compute seconds of an earlier update (they travel one update late), by rank."""
+
     def synchronize(self, params: Sequence[nn.Parameter]) -> None:
         """Make the parameters the same on every rank, before they are validated or saved (here they always are)."""
 

@@ -130,7 +130,8 @@ class TrainingLoop(RunReports):
         schedule = EpochSchedule(self.caps, self.shape, self.config.loop.seed)
         return EpochUpdates(self.train_data, self.task.collater, schedule, self.context.rank, self.position.epoch,
                             start=self.position.samples_done, split=self._current_split,
-                            num_workers=self.config.data.num_workers, pin_memory=self.context.device.type == "cuda")
+                            num_workers=self.config.data.num_workers, pin_memory=self.context.device.type == "cuda",
+                            inner_steps=self.trainer.strategy.inner_steps)
 
     def _current_split(self) -> Optional[list[int]]:
         """The per-rank shares of each global batch: the balancer's, else proportional to the batch sizes."""
@@ -150,7 +151,7 @@ class TrainingLoop(RunReports):
             self._rebalance(result)
             self._advise_comm(result)
         # the bar's loss: of the updates since the last train_inner line, from the stats already synced
-        self.progress.step(len(update.micro_batches), self.interval.criterion_metrics)
+        self.progress.step(update.steps, self.interval.criterion_metrics)
 
     def _rebalance(self, result: UpdateResult) -> None:
         """Show the balancer this update's per-rank timings and log a new split."""

@@ -107,6 +107,10 @@ def check_before_start(args: argparse.Namespace) -> None:
     if not loop.max_epoch and not loop.max_update:
         raise ConfigError("training would never end: give --max-epoch N or --max-update N "
                           "(0 means no limit on that count; one of them needs a limit)")
+    if args.auto_balance and args.inner_steps_by == "time":
+        raise ConfigError("--auto-balance and --inner-steps-by time both share the work by speed: drop one "
+                          "(--inner-steps-by time gives a fast node more inner steps, --auto-balance more samples "
+                          "per step)")
     CheckpointConfig.from_args(args).check_paths()
     if loop.tensorboard_logdir:
         check_output_dir("--tensorboard-logdir", loop.tensorboard_logdir)
