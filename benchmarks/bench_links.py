@@ -26,6 +26,17 @@ load changes), and the mean is used.
 
     .venv/bin/python benchmarks/bench_links.py             # the full table (needs root; 30+ minutes)
     .venv/bin/python benchmarks/bench_links.py --quick     # bert_tiny, 2 nodes, one rate (a few minutes)
+    .venv/bin/python benchmarks/bench_links.py --archs mnist_cnn --nodes 2 --rates 100mbit --batch 32 \
+        --updates 200 --interval 20                        # the MNIST plugin's CNN on Fashion-MNIST
+    .venv/bin/python benchmarks/bench_links.py ... --speeds 1,2  # node 1 twice node 0's speed (CPU quotas)
+
+``mnist_*`` architectures train the MNIST plugin's model (``plugins/``) with Adam on Fashion-MNIST, the
+plain loop being benchmarks/bench_ddp.py's; their loss is the cross-entropy on the first 2,000 test
+images. With ``--speeds``, each node's processes run in a cgroup whose CPU quota is its share of
+``--threads`` CPUs (the fastest node's all of them), the single-node speeds measured under the same
+quotas. Samples/s counts the samples each update trained (hetfair's logged ``bsz``: with
+``--inner-steps-by time`` a fast node trains several micro-batches per update), and the samples
+column says how many each contender trained in all.
 """
 
 from __future__ import annotations
@@ -42,7 +53,7 @@ import tempfile
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Sequence
+from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -51,9 +62,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from benchmarks.common import (  # noqa: E402
+    DEFAULT_DATA,
+    PLUGIN_DIR,
     REPO_ROOT,
+    arch_flags,
     clocked_run,
+    import_plugin,
     machine_note,
+    plain_dataset,
+    plain_model,
     print_table,
     progress_line,
     subprocess_env,
@@ -71,9 +88,18 @@ MODES: dict[str, list[str]] = {
     "diloco-h8": ["--ddp-backend", "diloco", "--outer-interval", "8"],
     "streaming-int4": ["--ddp-backend", "diloco", "--outer-interval", "8", "--outer-fragments", "4", "--outer-overlap",
                        "--outer-reduce-dtype", "int4"],
+    "streaming-int4-time": ["--ddp-backend", "diloco", "--outer-interval", "8", "--outer-fragments", "4",
+                            "--outer-overlap", "--outer-reduce-dtype", "int4", "--inner-steps-by", "time"],
+    "diloco-h8-int4": ["--ddp-backend", "diloco", "--outer-interval", "8", "--outer-reduce-dtype", "int4"],
+    "diloco-h16-int4": ["--ddp-backend", "diloco", "--outer-interval", "16", "--outer-reduce-dtype", "int4"],
+    "diloco-h16-int4-time": ["--ddp-backend", "diloco", "--outer-interval", "16", "--outer-reduce-dtype", "int4",
+                             "--inner-steps-by", "time"],
+    "balanced-powersgd": ["--ddp-comm-hook", "powersgd", "--powersgd-rank", "4", "--powersgd-start-update", "2",
+                          "--auto-balance"],
 }
 """hetfair's modes for slow links, by name: the flags that turn each on."""
 VALID_BATCHES = 8
+MNIST_TEST_IMAGES = 2000
 BURST = "256kbit"
 """tbf bucket: a few full-size packets, so that the rate, not the bucket, limits the transfer."""
 
@@ -88,9 +114,29 @@ class Setting:
     interval: int
     threads: int
     data: Path
+    """The preprocessed Jargon File (BERT) or the Fashion-MNIST directory (``mnist_*``)."""
+    speeds: tuple[float, ...] = ()
+    """Relative speeds of the nodes (``--speeds``; empty: all alike), kept by :class:`CpuLimits`."""
+
+    def on_node(self, network: Network, index: int, command: Sequence[str]) -> list[str]:
+        """``command`` run on node ``index``: in its namespace, and in its CPU-limited group where speeds differ."""
+        if not self.speeds:
+            return network.hosts[index].command(*command)
+        # into the group before the namespace: ip netns exec mounts a sysfs of its own, without the cgroups
+        return ["sh", "-c", 'echo $$ > "$0/tasks" && exec "$@"', str(CpuLimits.group(index)),
+                *network.hosts[index].command(*command)]
+
+    @property
+    def is_mnist(self) -> bool:
+        return self.arch.startswith("mnist")
 
     def flags(self, save_dir: Path) -> list[str]:
         """The training flags of both the plain loop and hetfair-train."""
+        if self.is_mnist:  # the MNIST plugin's CNN with Adam, as benchmarks/bench_ddp.py trains it
+            return ["--user-dir", str(PLUGIN_DIR), "--task", "mnist", "--dataset", "fashion-mnist", "--data",
+                    str(self.data), *arch_flags(self.arch), "--max-sentences", str(self.batch), "--optimizer", "adam",
+                    "--lr", "1e-3", "--max-update", str(self.updates), "--save-dir", str(save_dir),
+                    "--disable-validation", "--seed", "1"]
         return ["--task", "bert", "--data", str(self.data), "--arch", self.arch, "--max-sentences", str(self.batch),
                 "--lr", "5e-4", "--warmup-updates", "4", "--total-num-update", str(self.updates), "--clip-norm",
                 "1.0", "--max-update", str(self.updates), "--save-dir", str(save_dir), "--disable-validation",
@@ -101,6 +147,8 @@ class Setting:
 class Result:
     samples_per_s: float
     loss: float
+    samples: int
+    """Samples trained in all (more than updates x nodes x batch where nodes take several inner steps)."""
 
 
 # -- data and evaluation ---------------------------------------------------------------
@@ -120,7 +168,10 @@ def prepare_data(workdir: Path) -> Path:
 
 
 def valid_loss(setting: Setting, state: dict[str, torch.Tensor]) -> float:
-    """Mean masked-LM cross-entropy (nats) of a model with ``state`` on the first validation batches."""
+    """Mean masked-LM cross-entropy (nats) of a model with ``state`` on the first validation batches (for
+    ``mnist_*``: the cross-entropy on the first 2,000 test images)."""
+    if setting.is_mnist:
+        return _mnist_test_loss(setting, state)
     from hetfair.options import parse_train_args
     from hetfair.tasks import TASK_REGISTRY
 
@@ -142,9 +193,24 @@ def valid_loss(setting: Setting, state: dict[str, torch.Tensor]) -> float:
     return total / count
 
 
+def _mnist_test_loss(setting: Setting, state: dict[str, torch.Tensor]) -> float:
+    plugin = import_plugin()
+    train_images, _ = plugin.mnist_data.load_pair(setting.data, "train")
+    images, labels = plugin.mnist_data.load_pair(setting.data, "t10k")
+    test = plugin.mnist_data.ImageClassificationDataset(images[:MNIST_TEST_IMAGES], labels[:MNIST_TEST_IMAGES],
+                                                        *plugin.mnist_data.pixel_stats(train_images))
+    model = plain_model(setting.arch)
+    model.load_state_dict(state)
+    model.eval()
+    inputs, targets = zip(*(test[index] for index in range(len(test))))
+    with torch.no_grad():
+        return F.cross_entropy(model(torch.stack(inputs)), torch.as_tensor(targets)).item()
+
+
 # -- the plain loop (one process per node) -------------------------------------------------
 def plain_worker(flags: list[str], interval: int, out: Path) -> None:
-    """The plain loop of benchmarks/bench_bert.py, with DDP when WORLD_SIZE is set; rank 0 saves the model."""
+    """The plain loop of benchmarks/bench_bert.py (for ``mnist_*``, of benchmarks/bench_ddp.py), with DDP when
+    WORLD_SIZE is set; rank 0 saves the model."""
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
     from torch.utils.data import DataLoader, DistributedSampler
@@ -154,8 +220,9 @@ def plain_worker(flags: list[str], interval: int, out: Path) -> None:
     from hetfair.tasks import TASK_REGISTRY
 
     args = parse_train_args(flags)
-    task = TASK_REGISTRY.get("bert").setup_task(args)
-    dataset = task.dataset("train")
+    mnist = args.task == "mnist"
+    task = None if mnist else TASK_REGISTRY.get("bert").setup_task(args)
+    dataset = plain_dataset(Path(args.data)) if task is None else task.dataset("train")
     distributed = "WORLD_SIZE" in os.environ
     sampler = None
     if distributed:
@@ -167,9 +234,9 @@ def plain_worker(flags: list[str], interval: int, out: Path) -> None:
         modules.append(model)
         return DistributedDataParallel(model) if distributed else model
 
-    step = plain_step(args, task, wrap)
+    step = _mnist_step(args, wrap) if task is None else plain_step(args, task, wrap)
     loader = DataLoader(dataset, batch_size=int(args.max_sentences), shuffle=sampler is None, sampler=sampler,
-                        collate_fn=task.collater, drop_last=True)
+                        collate_fn=None if task is None else task.collater, drop_last=True)
     rank = dist.get_rank() if distributed else 0
     updates, started = 0, _now()
     for epoch in itertools.count():
@@ -190,6 +257,22 @@ def plain_worker(flags: list[str], interval: int, out: Path) -> None:
         torch.save(modules[0].state_dict(), out)
     if distributed:
         dist.destroy_process_group()
+
+
+def _mnist_step(args: argparse.Namespace, wrap: Callable[[torch.nn.Module], torch.nn.Module]
+                ) -> Callable[[tuple[torch.Tensor, torch.Tensor]], None]:
+    """One plain Adam update of the MNIST plugin's model on a batch ``(images, labels)``: mean cross-entropy."""
+    torch.manual_seed(args.seed)
+    model = wrap(plain_model(args.arch))
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+
+    def step(batch: tuple[torch.Tensor, torch.Tensor]) -> None:
+        inputs, targets = batch
+        optimizer.zero_grad(set_to_none=True)
+        F.cross_entropy(model(inputs), targets).backward()
+        optimizer.step()
+
+    return step
 
 
 def _now() -> float:
@@ -228,11 +311,12 @@ def run_job(network: Network, setting: Setting, workdir: Path, mode: Optional[Se
     save_dir = Path(tempfile.mkdtemp(dir=workdir))
     commands = [plain_command(setting, save_dir) if mode is None
                 else hetfair_command(setting, save_dir, r, world, master, mode) for r in range(world)]
-    others = [subprocess.Popen(host.command(*command), env=node_env(setting, rank, world, mode is None, master),
+    others = [subprocess.Popen(setting.on_node(network, rank, command),
+                               env=node_env(setting, rank, world, mode is None, master),
                                cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-              for rank, (host, command) in enumerate(zip(network.hosts, commands)) if rank > 0]
+              for rank, command in enumerate(commands) if rank > 0]
     try:
-        clock = clocked_run(network.hosts[0].command(*commands[0]), node_env(setting, 0, world, mode is None, master),
+        clock = clocked_run(setting.on_node(network, 0, commands[0]), node_env(setting, 0, world, mode is None, master),
                             timeout=1800, expected_updates=setting.updates, cwd=REPO_ROOT)
         for proc in others:
             _, err = proc.communicate(timeout=300)
@@ -248,7 +332,10 @@ def run_job(network: Network, setting: Setting, workdir: Path, mode: Optional[Se
     else:
         state = torch.load(save_dir / "checkpoint_last.pt", weights_only=True)["trainer"]["model"]
     shutil.rmtree(save_dir)
-    return Result(world * setting.batch / clock.wall_per_update, valid_loss(setting, state))
+    fixed = world * setting.batch  # samples per update, unless the log says otherwise (hetfair's bsz)
+    per_interval = [float(record.get("bsz", fixed)) * setting.interval for record in clock.records]
+    steady = sum(per_interval[1:]) / (clock.wall_per_update * clock.updates)
+    return Result(steady, valid_loss(setting, state), round(sum(per_interval)))
 
 
 def single_node_speeds(network: Network, setting: Setting, workdir: Path) -> list[float]:
@@ -259,7 +346,7 @@ def single_node_speeds(network: Network, setting: Setting, workdir: Path) -> lis
     def one(index: int) -> None:
         save_dir = Path(tempfile.mkdtemp(dir=workdir))
         try:
-            clock = clocked_run(network.hosts[index].command(*plain_command(setting, save_dir)),
+            clock = clocked_run(setting.on_node(network, index, plain_command(setting, save_dir)),
                                 node_env(setting, index, 1, True, ""), timeout=1800, expected_updates=setting.updates,
                                 cwd=REPO_ROOT)
             speeds[index] = setting.batch / clock.wall_per_update
@@ -276,6 +363,35 @@ def single_node_speeds(network: Network, setting: Setting, workdir: Path) -> lis
     if errors:
         raise errors[0]
     return speeds
+
+
+class CpuLimits:
+    """Nodes of unequal speed on one machine: each node's processes in a cgroup (v1 ``cpu``) whose CFS quota is
+    its share of ``--threads`` CPUs, the fastest node's the whole of them (speeds 1,2: half a CPU and one)."""
+
+    ROOT = Path("/sys/fs/cgroup/cpu")
+    PERIOD_US = 10_000
+    """A short period, so that a throttled node runs in slices much shorter than an update."""
+
+    def __init__(self, speeds: Sequence[float], threads: int) -> None:
+        self.speeds, self.threads = list(speeds), threads
+
+    @classmethod
+    def group(cls, index: int) -> Path:
+        return cls.ROOT / f"hetfair-links-node{index}"
+
+    def __enter__(self) -> "CpuLimits":
+        for index, speed in enumerate(self.speeds):
+            group = self.group(index)
+            group.mkdir(exist_ok=True)
+            (group / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+            quota = int(self.PERIOD_US * self.threads * speed / max(self.speeds))
+            (group / "cpu.cfs_quota_us").write_text(str(quota))
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        for index in range(len(self.speeds)):
+            self.group(index).rmdir()  # empty: every node's processes have ended
 
 
 def link_throughput(network: Network, megabytes: int = 4) -> float:
@@ -300,10 +416,12 @@ def link_throughput(network: Network, megabytes: int = 4) -> float:
 
 def known_modes(names: Sequence[str]) -> dict[str, list[str]]:
     """The modes of ``names`` whose flags this tree's hetfair-train accepts (the others are skipped, with a note)."""
-    help_text = subprocess.run([sys.executable, "-m", "hetfair_cli.train", "--help"], capture_output=True, text=True,
-                               cwd=REPO_ROOT, env=subprocess_env(1, str(REPO_ROOT))).stdout
     found = {}
     for name in names:
+        # with a task and the mode's own flags: a comm hook's flags are in the help once a task is chosen
+        help_text = subprocess.run([sys.executable, "-m", "hetfair_cli.train", "--user-dir", str(PLUGIN_DIR), "--task",
+                                    "mnist", *MODES[name], "--help"], capture_output=True, text=True, cwd=REPO_ROOT,
+                                   env=subprocess_env(1, str(REPO_ROOT))).stdout
         missing = [flag for flag in MODES[name] if flag.startswith("--") and flag not in help_text]
         if missing:
             print(f"bench_links: skipping {name}: this hetfair-train has no {', '.join(missing)}", flush=True)
@@ -317,15 +435,22 @@ def gradient_megabytes(setting: Setting) -> float:
     from hetfair.options import parse_train_args
     from hetfair.tasks import TASK_REGISTRY
 
-    args = parse_train_args(setting.flags(Path("unused")))
-    model = TASK_REGISTRY.get("bert").setup_task(args).build_model(args)
+    if setting.is_mnist:
+        model = plain_model(setting.arch)
+    else:
+        args = parse_train_args(setting.flags(Path("unused")))
+        model = TASK_REGISTRY.get("bert").setup_task(args).build_model(args)
     return sum(p.numel() for p in model.parameters()) * 4 / 1e6
 
 
 # -- the table -----------------------------------------------------------------------------
 def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--archs", default="bert_mini,bert_tiny", help="comma-separated BERT architectures")
+    parser.add_argument("--archs", default="bert_mini,bert_tiny",
+                        help="comma-separated BERT architectures or the MNIST plugin's (mnist_cnn)")
+    parser.add_argument("--mnist-data", type=Path, default=DEFAULT_DATA, help="Fashion-MNIST directory")
+    parser.add_argument("--speeds", help="relative node speeds, e.g. 1,2 (each node's CPU quota; needs --nodes 2 "
+                                         "for 1,2); default: all alike")
     parser.add_argument("--nodes", default="2,4", help="comma-separated node counts")
     parser.add_argument("--rates", default="50mbit,200mbit", help="comma-separated link rates (tc units)")
     parser.add_argument("--modes", default=",".join(MODES), help=f"comma-separated subset of {', '.join(MODES)}")
@@ -341,7 +466,7 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     if options.quick:
         options.archs, options.nodes, options.updates = "bert_tiny", "2", 6
         options.rates = options.rates.split(",")[0]
-    if options.updates % options.interval or options.updates < 2 * options.interval:
+    if not options.plain_worker and (options.updates % options.interval or options.updates < 2 * options.interval):
         parser.error("--updates must be a multiple of --interval, at least two intervals")
     return options
 
@@ -358,13 +483,18 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped benchmark removes its namespaces too
     workdir = options.workdir or Path(tempfile.mkdtemp(prefix="hetfair-links-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    data = prepare_data(workdir)
+    archs = options.archs.split(",")
+    data = prepare_data(workdir) if any(not arch.startswith("mnist") for arch in archs) else None
+    speeds = tuple(float(speed) for speed in options.speeds.split(",")) if options.speeds else ()
     modes: dict[str, Optional[list[str]]] = {"plain-ddp": None, "hetfair": [],
                                              **known_modes(options.modes.split(","))}
     print(f"bench_links: {machine_note()}; uptime: {os.popen('uptime').read().strip()}", flush=True)
-    for arch, nodes in itertools.product(options.archs.split(","), map(int, options.nodes.split(","))):
-        setting = Setting(arch, options.batch, options.updates, options.interval, options.threads, data)
-        with Network(nodes) as network:
+    for arch, nodes in itertools.product(archs, map(int, options.nodes.split(","))):
+        if speeds and len(speeds) != nodes:
+            raise SystemExit(f"bench_links: --speeds gives {len(speeds)} speeds for {nodes} nodes")
+        setting = Setting(arch, options.batch, options.updates, options.interval, options.threads,
+                          options.mnist_data if arch.startswith("mnist") else data, speeds)
+        with Network(nodes) as network, CpuLimits(speeds, options.threads):
             for rate in options.rates.split(","):
                 for index in range(nodes):
                     network.shape(index, rate, burst=BURST)
@@ -375,11 +505,13 @@ def main() -> None:
                 singles = [(a + b) / 2 for a, b in zip(before, after)]
                 plain = results["plain-ddp"]
                 rows = [[name, f"{r.samples_per_s:.1f}", f"{r.samples_per_s / sum(singles):.2f}",
-                         f"{r.samples_per_s / plain.samples_per_s:.2f}", f"{r.loss:.3f}", f"{r.loss - plain.loss:+.3f}"]
+                         f"{r.samples_per_s / plain.samples_per_s:.2f}", f"{r.samples}", f"{r.loss:.3f}",
+                         f"{(r.loss - plain.loss) / plain.loss:+.1%}"]
                         for name, r in results.items()]
+                shape = f", node speeds {options.speeds} (CPU quotas)" if speeds else ""
                 print_table(f"{arch}, {nodes} nodes, links {rate} ({measured:.1f} MB/s measured), batch "
-                            f"{setting.batch}/node, {setting.updates} updates",
-                            ["contender", "samples/s", "efficiency", "vs plain", "loss", "vs plain"], rows,
+                            f"{setting.batch}/node, {setting.updates} updates{shape}",
+                            ["contender", "samples/s", "efficiency", "vs plain", "samples", "loss", "vs plain"], rows,
                             [f"fp32 gradient {gradient_megabytes(setting):.1f} MB; single-node samples/s (all "
                              f"{nodes} at once, no communication; mean of before and after the contenders): "
                              f"{', '.join(f'{s:.1f}' for s in singles)} (sum {sum(singles):.1f}; before "

@@ -216,6 +216,8 @@ class ClockedRun:
     self_reported_per_update: float  # from the run's own "ups" (intervals after the first)
     updates: int
     total_wall: float
+    records: list[dict[str, Any]] = field(default_factory=list)
+    """Every progress record, the first (the end of the warm-up) included."""
 
 
 def clocked_run(command: Sequence[str], env: dict[str, str], timeout: float, expected_updates: int | None = None,
@@ -252,7 +254,8 @@ def clocked_run(command: Sequence[str], env: dict[str, str], timeout: float, exp
     updates = int(r1["num_updates"]) - int(r0["num_updates"])
     steady = [record for _, _, record in marks[1:]]  # the first interval holds the warm-up
     self_reported = statistics.mean(1.0 / float(r["ups"]) for r in steady)
-    return ClockedRun((t1 - t0) / updates, (c1 - c0) / updates, self_reported, updates, total_wall)
+    return ClockedRun((t1 - t0) / updates, (c1 - c0) / updates, self_reported, updates, total_wall,
+                      [record for _, _, record in marks])
 
 
 def _progress_record(line: str) -> dict[str, Any] | None:
