@@ -121,6 +121,10 @@ class Trainer:
         self.strategy = strategy or build_strategy(ParallelConfig(), context)
         if config.compile and self.strategy.compile_refusal:
             raise ConfigError(self.strategy.compile_refusal)
+        if loss_scaler is not None and self.strategy.inner_steps() is not None:
+            raise ConfigError("--inner-steps-by time cannot run with fp16's loss scaling (an overflow skips one "
+                              "update on every rank, and the nodes take different numbers of steps); use "
+                              "--precision bf16 or fp32, or --inner-steps-by count")
         self.criterion = criterion.to(context.device)
         if config.activation_checkpointing:
             checkpoint_units(model)  # before sharding: the strategy shards (or wraps) the wrapped units
@@ -150,11 +154,6 @@ class Trainer:
         self._clock = _ComputeClock(self.params)
         self._last_seconds = 0.0  # this rank's compute seconds of the last update: they travel with the next
         self._last_samples: list[float] = []  # every rank's samples of the last update (empty: none yet)
-        self._pending: Optional[PendingStats] = None  # the update's stats all-reduce, once started
-        if loss_scaler is not None and self.strategy.inner_steps() is not None:
-            raise ConfigError("--inner-steps-by time cannot run with fp16's loss scaling (an overflow skips one "
-                              "update on every rank, and the nodes take different numbers of steps); use "
-                              "--precision bf16 or fp32, or --inner-steps-by count")
 
     # -- training --------------------------------------------------------------
     def train_step(self, samples: list[Optional[dict[str, Any]]]) -> Optional[UpdateResult]:
@@ -168,7 +167,6 @@ class Trainer:
             self.criterion.train()
         self.optimizer.zero_grad(set_to_none=True)
         totals: dict[str, Any] = {}
-        self._pending = None
         start = time.perf_counter()
         self._clock.last_grad_time = start
         counts = self.strategy.inner_steps()
@@ -180,13 +178,14 @@ class Trainer:
         local_samples = 0
         for step in range(steps - 1):  # the inner steps before the update's own (--inner-steps-by time)
             sample_size = totals.get("sample_size", 0.0)
-            local_samples += self._forward_backward(samples[step * size:(step + 1) * size], step * size, totals)
+            local_samples += self._forward_backward(samples[step * size:(step + 1) * size], step * size, totals)[0]
             self._step(self.strategy.inner_normalising_factor(totals["sample_size"] - sample_size))  # no loss scale
             self.optimizer.zero_grad(set_to_none=True)
         own_sample_size = totals.get("sample_size", 0.0)
-        self._forward_backward(samples[len(samples) - size:], len(samples) - size, totals, stats_samples=local_samples)
-        assert self._pending is not None
-        synced = self._pending.wait()
+        _, pending = self._forward_backward(samples[len(samples) - size:], len(samples) - size, totals,
+                                            stats_samples=local_samples)
+        assert pending is not None
+        synced = pending.wait()
         self._last_seconds = self._clock.last_grad_time - start
         samples_by_rank = synced.per_rank["samples"]
         timing = (samples_by_rank, self._last_samples,
@@ -220,12 +219,13 @@ class Trainer:
                             loss_scale=self._loss_scale())
 
     def _forward_backward(self, samples: list[Optional[dict[str, Any]]], first_index: int, totals: dict[str, Any],
-                          stats_samples: Optional[int] = None) -> int:
+                          stats_samples: Optional[int] = None) -> tuple[int, Optional[PendingStats]]:
         """Forward and backward of one step's micro-batches (the first is the update's ``first_index``-th), their
         logs summed into ``totals``; gradients sync in the last backward. With ``stats_samples`` (the samples of
         the update's earlier steps) this is the update's last step: the stats all-reduce starts before its last
-        backward (:attr:`_pending`). Returns this rank's samples."""
+        backward. Returns this rank's samples, and that all-reduce (``None`` without ``stats_samples``)."""
         local_samples = 0
+        pending: Optional[PendingStats] = None
         for index, sample in enumerate(samples, first_index):
             is_last = index == first_index + len(samples) - 1
             if sample is None and not self._joins_collectives(is_last):
@@ -247,13 +247,13 @@ class Trainer:
                 totals.update((key, value) for key, value in logs.items() if not is_summable(value))
                 if is_last and stats_samples is not None:
                     # the stats all-reduce (logs, global sample size, per-rank timings) overlaps the last backward
-                    self._pending = self._start_stats_sync(totals, stats_samples + local_samples)
+                    pending = self._start_stats_sync(totals, stats_samples + local_samples)
                 if self.loss_scaler is not None:
                     loss = loss * self.loss_scaler.scale
                 loss.backward()
-        if stats_samples is not None and self._pending is None:
-            self._pending = self._start_stats_sync(totals, stats_samples + local_samples)
-        return local_samples
+        if stats_samples is not None and pending is None:
+            pending = self._start_stats_sync(totals, stats_samples + local_samples)
+        return local_samples, pending
 
     def _step(self, factor: float) -> Optional[float]:
         """Normalise the gradients by ``factor`` (without loss scaling or sharding, together with clipping: see
