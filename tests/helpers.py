@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import os
 import socket
 import subprocess
@@ -11,6 +12,7 @@ from pathlib import Path
 from typing import Sequence
 
 import torch
+import torch.distributed as dist
 
 from forked_cli import run_forked
 
@@ -23,6 +25,18 @@ from common import descendants, rank_pids as worker_pids  # noqa: E402,F401  (fo
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 TOY_PLUGIN = TESTS_DIR / "toy_plugin"
+
+
+def leave_group() -> None:
+    """Destroy the default process group, once the caller holds no model wrapped in DDP.
+
+    A DDP reducer freed after ``destroy_process_group`` is the group's last owner: the group's C++
+    destructor then joins gloo's threads holding the GIL, and a gloo thread freeing a finished work
+    started in a backward needs the GIL (torch keeps a Python object in the work's thread state), so
+    the rank hangs now and then. Collecting first frees unreachable reducers while the group is registered.
+    """
+    gc.collect()
+    dist.destroy_process_group()
 
 
 def free_port() -> int:

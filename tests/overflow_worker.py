@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from helpers import TOY_PLUGIN
+from helpers import TOY_PLUGIN, leave_group
 from hetfair.parallel.context import DistributedContext
 from hetfair.options import parse_train_args
 from hetfair.precision.mixed import LossScaleConfig, job_loss_scaler
@@ -37,7 +37,7 @@ def run_rank(rank: int, init_method: str, out_dir: str) -> None:
         torch.save(records, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     finally:
-        dist.destroy_process_group()
+        leave_group()
 
 
 def train(context: DistributedContext) -> list[dict]:

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from helpers import TESTS_DIR, final_parameters, free_port, node_commands, run_nodes, run_train
+from helpers import TESTS_DIR, final_parameters, free_port, leave_group, node_commands, run_nodes, run_train
 from hetfair.parallel import COMM_HOOK_REGISTRY, ParallelConfig
 from hetfair.parallel.comm_advice import HookCost, LinkMeasurement, advise
 from hetfair.parallel.gradient_comm import GradientComm
@@ -95,7 +95,7 @@ def toy_hook_registered(monkeypatch: pytest.MonkeyPatch):
 def one_rank_group(tmp_path: Path):
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'init'}", rank=0, world_size=1)
     yield DistributedContext(0, 1, 0, torch.device("cpu"))
-    dist.destroy_process_group()
+    leave_group()
 
 
 def test_the_advice_weighs_a_plugin_hook_by_its_declared_cost(toy_hook_registered, one_rank_group):

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from helpers import TOY_PLUGIN
+from helpers import TOY_PLUGIN, leave_group
 
 from hetfair.data.rank_batches import dummy_batch
 from hetfair.parallel.context import DistributedContext
@@ -103,20 +103,24 @@ def _ddp_worker(rank: int, init_file: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
     torch.set_num_threads(1)
     try:
-        context = DistributedContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
-        trainer, data = toy_trainer("--bucket-cap-mb", "0.0001", context=context)  # one bucket per tensor
-        initial = copy.deepcopy(trainer.model.state_dict())
-        whole = batches(data, [32, 32, 32])
-        for batch in whole:  # rank 0 takes 12 samples of each batch, rank 1 the other 20
-            part = slice(0, 12) if rank == 0 else slice(12, 32)
-            x, y = batch["net_input"]["x"][part], batch["target"][part]
-            trainer.train_step([{"net_input": {"x": x}, "target": y, "nsentences": len(y), "ntokens": len(y)}])
-        ddp = trainer.wrapped_model
-        torch.save({"cap": ddp.bucket_bytes_cap, "view": ddp.gradient_as_bucket_view,
-                    "params": trainer.model.state_dict(), "expected": plain_adam(initial, whole)},
-                   Path(out) / f"{rank}.pt")
+        _ddp_train(rank, out)
     finally:
-        dist.destroy_process_group()
+        leave_group()
+
+
+def _ddp_train(rank: int, out: str) -> None:
+    context = DistributedContext(rank=rank, world_size=2, local_rank=rank, device=torch.device("cpu"))
+    trainer, data = toy_trainer("--bucket-cap-mb", "0.0001", context=context)  # one bucket per tensor
+    initial = copy.deepcopy(trainer.model.state_dict())
+    whole = batches(data, [32, 32, 32])
+    for batch in whole:  # rank 0 takes 12 samples of each batch, rank 1 the other 20
+        part = slice(0, 12) if rank == 0 else slice(12, 32)
+        x, y = batch["net_input"]["x"][part], batch["target"][part]
+        trainer.train_step([{"net_input": {"x": x}, "target": y, "nsentences": len(y), "ntokens": len(y)}])
+    ddp = trainer.wrapped_model
+    torch.save({"cap": ddp.bucket_bytes_cap, "view": ddp.gradient_as_bucket_view,
+                "params": trainer.model.state_dict(), "expected": plain_adam(initial, whole)},
+               Path(out) / f"{rank}.pt")
 
 
 def test_ddp_with_small_buckets_and_bucket_views_updates_like_plain_adam(tmp_path):

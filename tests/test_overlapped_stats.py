@@ -19,7 +19,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from helpers import TOY_PLUGIN, run_nodes
+from helpers import TOY_PLUGIN, leave_group, run_nodes
 from hetfair.parallel.context import DistributedContext
 from hetfair.optim.lr_scheduler.fixed import FixedSchedule
 from hetfair.trainer import Trainer, TrainerConfig
@@ -78,7 +78,8 @@ def _rank(rank: int, world: int, store: str, out_dir: str) -> None:
                         "timed_samples": result.timed_samples, "seconds": len(result.compute_seconds), "gnorm": result.gnorm})
     params = {name: p.detach().tolist() for name, p in trainer.model.named_parameters()}
     Path(out_dir, f"{rank}.json").write_text(json.dumps({"results": results, "params": params}))
-    dist.destroy_process_group()
+    del trainer
+    leave_group()
 
 
 def plain_pytorch() -> tuple[list[dict[str, float]], dict[str, torch.Tensor]]:

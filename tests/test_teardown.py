@@ -29,6 +29,18 @@ PROBE = """
             json.dump(names, f)
 
     atexit.register(record_threads)
+
+    import gc, torch.distributed as dist
+    from torch.nn.parallel import DistributedDataParallel
+    destroy = dist.destroy_process_group
+
+    def destroy_and_count_ddp(*args, **kwargs):
+        alive = sum(isinstance(o, DistributedDataParallel) for o in gc.get_objects())
+        with open(os.path.join({ddp_out!r}, f"{{os.getpid()}}.json"), "w") as f:
+            json.dump(alive, f)
+        destroy(*args, **kwargs)
+
+    dist.destroy_process_group = destroy_and_count_ddp
 """
 
 
@@ -37,7 +49,10 @@ def test_no_rank_shuts_python_down_next_to_live_gloo_threads(tmp_path):
     probe.mkdir()
     out = tmp_path / "threads"
     out.mkdir()
-    (probe / "__init__.py").write_text(textwrap.dedent(PROBE.format(tests=str(TESTS_DIR), out=str(out))))
+    ddp_out = tmp_path / "ddp"
+    ddp_out.mkdir()
+    (probe / "__init__.py").write_text(textwrap.dedent(PROBE.format(tests=str(TESTS_DIR), out=str(out),
+                                                                    ddp_out=str(ddp_out))))
     args = ["--user-dir", str(probe), "--task", "toy", "--max-update", "3", "--max-sentences", "8",
             "--save-dir", str(tmp_path / "ckpt"), "--log-format", "none", "--distributed-world-size", "2"]
     result = subprocess.run(train_command(*args), cwd=tmp_path, env=subprocess_env(), capture_output=True,
@@ -46,6 +61,9 @@ def test_no_rank_shuts_python_down_next_to_live_gloo_threads(tmp_path):
     at_exit = [json.loads(path.read_text()) for path in out.iterdir()]
     launcher = [names for names in at_exit if not any(n.startswith(("gloo", "pt_gloo")) for n in names)]
     assert len(launcher) == len(at_exit) <= 1, at_exit  # only the launcher (no process group) shuts down
+    # a DDP reducer alive once the group is destroyed would be its last owner, whose C++ destructor joins
+    # gloo's threads holding the GIL a thread freeing a finished work needs: a hang now and then
+    assert [json.loads(path.read_text()) for path in ddp_out.iterdir()] == [0, 0]
 
 
 def test_tests_start_their_ranks_through_the_worker_launcher_not_mp_spawn():

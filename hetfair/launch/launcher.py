@@ -24,6 +24,7 @@ process receives its own. Under SLURM they may be given per node (``48:16``).
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import shutil
 import sys
@@ -219,7 +220,7 @@ def _train_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn
     try:
         train_fn(args, context)
     except Preempted:
-        _leave_group()  # every rank stops after the same update: leave in order
+        leave_group()  # every rank stops after the same update: leave in order
         raise
     except (RuntimeError, dist.DistBackendError) as exc:
         # no orderly group shutdown here: it would wait for the peer that is gone
@@ -229,10 +230,15 @@ def _train_rank(index: int, args: argparse.Namespace, plan: LaunchPlan, train_fn
                 f"a process probably died or stalled longer than --distributed-timeout"
             ) from exc
         raise
-    _leave_group()
+    leave_group()
 
 
-def _leave_group() -> None:
+def leave_group() -> None:
+    """Leave the default process group in order, once every rank is done (after its training returned)."""
+    # A DDP reducer still alive (in a reference cycle) once the group is destroyed would be its last
+    # owner, and its C++ destructor joins gloo's threads holding the GIL, which a gloo thread freeing a
+    # work started in a backward needs: collect it first.
+    gc.collect()
     # nobody leaves before everyone is done: rank 0 hosts the store the others still hold
     dist.barrier()
     dist.destroy_process_group()

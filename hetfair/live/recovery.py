@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from hetfair.checkpoint.layout import progress_of
 from hetfair.errors import ConfigError, DistributedError, first_line
-from hetfair.launch.launcher import looks_like_lost_peer, process_device, process_group_backend
+from hetfair.launch.launcher import leave_group, looks_like_lost_peer, process_device, process_group_backend
 from hetfair.launch.native_output import native_stderr_discarded, quiet_native_logs, store_logs_filtered
 from hetfair.launch.network import choose_interface, use_interface
 from hetfair.launch.preemption import preemptible
@@ -149,10 +149,10 @@ def _train_rounds(args: argparse.Namespace, membership: Membership, device: torc
             with output.showing_log_records():
                 run = TrainingRun(args, context, output, resume_state=state, regroup_wanted=membership.regroup_wanted)
                 run.run()
+            run = None
             if context.is_master:
                 membership.finish()
-            dist.barrier()
-            dist.destroy_process_group()
+            leave_group()
             return
         except Regroup:
             lost = membership.lighthouse_lost()
@@ -167,8 +167,8 @@ def _train_rounds(args: argparse.Namespace, membership: Membership, device: torc
         if run is not None:
             state = run.checkpointer.state()
         del run
+        gc.collect()  # the run's DDP reducer goes before the group (see launch.launcher.leave_group)
         _leave_group()
-        gc.collect()
 
 
 def _form_group(group: Group, membership: Membership, args: argparse.Namespace,
