@@ -5,7 +5,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from forked_cli import start_server  # noqa: E402
+from forked_cli import serve_on_demand  # noqa: E402
 from netns import Network, unavailable  # noqa: E402
 
 # Files whose tests hold deadlines on peers (a lost rank noticed within seconds, a hang turned into an
@@ -18,7 +18,7 @@ SERIAL_FILES = frozenset({
 
 
 def pytest_sessionstart(session: pytest.Session) -> None:
-    start_server()  # from the environment no test has changed yet
+    serve_on_demand()  # from the environment no test has changed yet
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

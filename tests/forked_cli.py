@@ -9,9 +9,9 @@ than from an earlier test's, and runs ``main(argv)`` as ``python -m hetfair_cli.
 
 The launcher's ranks come from the same server: hetfair's launcher forks its workers from a
 multiprocessing fork server, and a forked command is pointed at this one (already preloaded) instead
-of starting its own. The server is started as the launcher starts its own (SIGINT ignored, the
-worker signals blocked: :func:`hetfair.launch.supervisor.worker_start_state`), and each worker is
-given what a worker of the command's own server would have: the command's environment and output
+of starting its own. The server starts the first time anything forks from it (:func:`serve_on_demand`),
+as the launcher starts its own (SIGINT ignored, the worker signals blocked:
+:func:`hetfair.launch.supervisor.worker_start_state`), and each worker is given what a worker of the command's own server would have: the command's environment and output
 (:class:`_CommandState`, sent with multiprocessing's preparation data).
 
 Tests that need the real executable (the commands the docs show, kills of a launcher's ranks by their
@@ -106,23 +106,39 @@ _READ_AT_IMPORT = ("TORCH_LOGS", "TORCH_CPP_LOG_LEVEL")
 _SERVER_ENV: dict[str, str] = {}
 
 
-def start_server() -> None:
-    """Start the fork server now, from this process's environment as it is (before a test changes it), in the
-    signal state hetfair's launcher starts its own in."""
+_TESTS_PRELOAD = list(forkserver._forkserver._preload_modules)
+_start_plainly = forkserver._forkserver.ensure_running
+
+
+def serve_on_demand() -> None:
+    """Start the fork server the first time anything forks from it (a forked command, or a test's
+    ``run_workers``), from this process's environment as it is now (before a test changes it), with the
+    tests' preload, in the signal state hetfair's launcher starts its own in.
+
+    A pytest process (or xdist worker) whose tests fork nothing never pays the server's imports (torch,
+    transformers, datasets: about 7 s of CPU).
+    """
     _SERVER_ENV.update(os.environ)
+    forkserver._forkserver.ensure_running = _ensure_running
+
+
+def _ensure_running() -> None:
+    if forkserver._forkserver._forkserver_pid is not None:
+        return _start_plainly()  # running (or restarted where it died)
     here = str(Path(__file__).resolve().parent)
-    previous = os.environ.get("PYTHONPATH")
+    current = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SERVER_ENV)
     # the server imports this module (its preload; a worker reads _CommandState before anything else), and
     # Python 3.11's forkserver ignores the sys.path it is handed: it searches PYTHONPATH
-    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, previous]))
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [here, _SERVER_ENV.get("PYTHONPATH")]))
+    forkserver._forkserver._preload_modules = _TESTS_PRELOAD  # not the preload of a test's run_workers
     try:
         with worker_start_state():
-            forkserver.ensure_running()
+            _start_plainly()
     finally:
-        if previous is None:
-            del os.environ["PYTHONPATH"]
-        else:
-            os.environ["PYTHONPATH"] = previous
+        os.environ.clear()
+        os.environ.update(current)
 
 
 def run_forked(commands: Sequence[Sequence[str]], cwd: Path, env: Mapping[str, str],
@@ -132,6 +148,7 @@ def run_forked(commands: Sequence[Sequence[str]], cwd: Path, env: Mapping[str, s
     if read_at_import:
         raise ValueError(f"{', '.join(read_at_import)} is read as torch is imported, in the fork server: "
                          f"start this command with helpers.start instead")
+    forkserver._forkserver.ensure_running()  # its address goes to each command's launcher
     with tempfile.TemporaryDirectory(prefix="forked-cli-") as outputs:
         processes = []
         for index, args in enumerate(commands):
