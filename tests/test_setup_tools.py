@@ -81,21 +81,21 @@ def make_dry_run(*targets: str) -> str:
 def test_the_makefile_wires_both_commands_to_the_set_up():
     commands = make_dry_run("demo", "test")
     assert "tools/install_torch.py /nonexistent-venv/bin/python 2.13.0" in commands
-    assert "pip install --quiet -e . -e plugins/hetfair_plugin_example" in commands
-    assert "pip install --quiet -e \".[test]\"" in commands
+    assert "pip install --quiet --no-compile -e . -e plugins/hetfair_plugin_example" in commands
+    assert "pip install --quiet --no-compile -e \".[test]\" -e plugins/hetfair_plugin_example" in commands
     assert "tools/install_debian_packages.sh dataset-fashion-mnist jargon-text" in commands
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_demo_installs_what_the_demo_needs_and_no_test_tools():
     commands = make_dry_run("demo")
-    assert "pip install --quiet -e . -e plugins/hetfair_plugin_example" in commands
+    assert "pip install --quiet --no-compile -e . -e plugins/hetfair_plugin_example" in commands
     assert ".[test]" not in commands and "jargon-text" not in commands
     assert "tools/install_debian_packages.sh dataset-fashion-mnist" in commands
 
 
 def test_running_a_part_of_the_suite_runs_as_typed_in_docs_testing():
-    """docs/testing.md's ``make test PYTEST_ARGS=...`` runs that part of the suite, in one pass by default."""
+    """docs/testing.md's ``make test PYTEST_ARGS=...`` runs that part of the suite (its serial pass finds none)."""
     typed = next(line.split("#")[0].strip() for line in (REPO_ROOT / "docs" / "testing.md").read_text().splitlines()
                  if line.startswith("make test PYTEST_ARGS="))
     assert typed == 'make test PYTEST_ARGS="-q tests/test_layering.py"'
@@ -105,13 +105,17 @@ def test_running_a_part_of_the_suite_runs_as_typed_in_docs_testing():
     assert len(passes) == 1 and "failed" not in passes[0], done.stdout[-3000:]
 
 
-def test_more_test_workers_run_the_serial_tests_after_the_rest():
-    """``make test TEST_WORKERS=2``: the xdist pass skips the serial tests, the second pass runs only those,
-    and a selection without any (exit status 5 there) does not fail the command."""
-    done = subprocess.run(["make", "-n", "test", "TEST_WORKERS=2"], cwd=REPO_ROOT, capture_output=True, text=True,
+def test_make_test_runs_the_serial_groups_side_by_side_after_the_rest():
+    """``make test``: the xdist pass skips the serial tests, the second pass runs only those, a group per worker,
+    and a selection without any (exit status 5 there) does not fail the command; ``TEST_WORKERS=1`` is one pass."""
+    done = subprocess.run(["make", "-n", "test", "TEST_WORKERS=3"], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=60)
     assert done.returncode == 0, done.stderr
     commands = [line for line in done.stdout.splitlines() if "-m pytest" in line]
     assert len(commands) == 2, done.stdout
-    assert '-m "not serial" -n 2 --dist loadfile' in commands[0]
-    assert commands[1].endswith("-m serial || [ $? -eq 5 ]")
+    assert '-m "not serial" -n 3 --dist loadfile' in commands[0]
+    assert commands[1].endswith("-m serial -n 2 --dist loadgroup || [ $? -eq 5 ]")
+    one = subprocess.run(["make", "-n", "test", "TEST_WORKERS=1"], cwd=REPO_ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert [line.split("python ", 1)[1] for line in one.stdout.splitlines() if "-m pytest" in line] == [
+        "-m pytest -q"]
