@@ -67,9 +67,9 @@ $(STAMPS)/torch: | $(BIN)/python
 	$(PYTHON) tools/install_torch.py $(BIN)/python $(TORCH_VERSION)
 	@mkdir -p $(STAMPS) && touch $@
 
-# --no-compile: a module is compiled when it is first imported, not every module of every package at install
-# (transformers alone has thousands); the test tools come in the same pip run as hetfair (one resolve).
-PIP_INSTALL := $(BIN)/python -m pip install --quiet --no-compile
+# make test installs the test tools in the same pip run as hetfair (one resolve). pip compiles every module
+# as it installs: where PYTHONDONTWRITEBYTECODE is set, nothing else would, and each process compiles again.
+PIP_INSTALL := $(BIN)/python -m pip install --quiet
 PACKAGE_FILES := setup.cfg pyproject.toml plugins/hetfair_plugin_example/pyproject.toml
 
 $(STAMPS)/installed: $(STAMPS)/torch $(PACKAGE_FILES)

@@ -81,15 +81,15 @@ def make_dry_run(*targets: str) -> str:
 def test_the_makefile_wires_both_commands_to_the_set_up():
     commands = make_dry_run("demo", "test")
     assert "tools/install_torch.py /nonexistent-venv/bin/python 2.13.0" in commands
-    assert "pip install --quiet --no-compile -e . -e plugins/hetfair_plugin_example" in commands
-    assert "pip install --quiet --no-compile -e \".[test]\" -e plugins/hetfair_plugin_example" in commands
+    assert "pip install --quiet -e . -e plugins/hetfair_plugin_example" in commands
+    assert "pip install --quiet -e \".[test]\" -e plugins/hetfair_plugin_example" in commands
     assert "tools/install_debian_packages.sh dataset-fashion-mnist jargon-text" in commands
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
 def test_make_demo_installs_what_the_demo_needs_and_no_test_tools():
     commands = make_dry_run("demo")
-    assert "pip install --quiet --no-compile -e . -e plugins/hetfair_plugin_example" in commands
+    assert "pip install --quiet -e . -e plugins/hetfair_plugin_example" in commands
     assert ".[test]" not in commands and "jargon-text" not in commands
     assert "tools/install_debian_packages.sh dataset-fashion-mnist" in commands
 
