@@ -295,7 +295,7 @@ def test_auto_on_a_slow_link_switches_to_powersgd_and_suggests_the_outer_loop_th
 
     # a toy update computes in ~2 ms: even int4 every 64 updates may outlast a round, and the line then says so
     suggested = re.fullmatch(r"comm \| even powersgd \(lossy\) takes ~.* ms, .*x an update's compute: (the outer loop "
-                             r"fits this link|even the outer loop's least) .*; try (--ddp-backend diloco .*) in place "
+                             r"fits this link,|even the outer loop's least) .*; try (--ddp-backend diloco .*) in place "
                              r"of --ddp-comm-hook and its flags", outer)
     assert suggested, outer
     train(tmp_path / "outer", *suggested[2].split())  # the toy run's two epochs: rounds also end at epoch ends
