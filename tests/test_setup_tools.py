@@ -82,7 +82,7 @@ def test_the_makefile_wires_both_commands_to_the_set_up():
     commands = make_dry_run("demo", "test")
     assert "tools/install_torch.py /nonexistent-venv/bin/python 2.13.0" in commands
     assert "pip install --quiet -e . -e plugins/hetfair_plugin_example" in commands
-    assert "pip install --quiet -e \".[test]\" -e plugins/hetfair_plugin_example" in commands
+    assert "pip install --quiet --no-compile -e \".[test]\" -e plugins/hetfair_plugin_example" in commands
     assert "tools/install_debian_packages.sh dataset-fashion-mnist jargon-text" in commands
 
 
