@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import socket
-import subprocess
 from pathlib import Path
-from typing import Sequence
+from typing import Mapping, Sequence
 
-from helpers import rank_flags, subprocess_env, train_command
+from forked_cli import ForkedCommand, start_forked
+from helpers import rank_flags, subprocess_env
 from hetfair.launch.native_output import CPP_LOG_LEVEL_ENV
 from hetfair.launch.network import GLOO_INTERFACE_ENV, NCCL_INTERFACE_ENV
 from hetfair.launch.rendezvous import SECRET_ENV
@@ -24,23 +24,26 @@ def node_env() -> dict[str, str]:
     return {**env, SECRET_ENV: "the job's secret"}
 
 
+def start_on(network, index: int, args: Sequence[str], cwd: Path, env: Mapping[str, str]) -> ForkedCommand:
+    """``hetfair-train args`` on host ``index`` of ``network``, forked into the host's namespace (``forked_cli``)."""
+    return start_forked(args, cwd, env, network.hosts[index].namespace)
+
+
 def start_nodes(network, tmp_path: Path, *extra: str, env: dict[str, str] | None = None,
-                own: Sequence[tuple[Sequence[str], dict[str, str]]] = ()) -> list[subprocess.Popen]:
+                own: Sequence[tuple[Sequence[str], dict[str, str]]] = ()) -> list[ForkedCommand]:
     """One hetfair-train command per host (a toy job of two ranks meeting at host 0), each with its batch size,
     in ``env`` (default: :func:`node_env`); ``own``: each node's own further flags and environment variables."""
     init = f"tcp://{network.hosts[0].address}:29500"
     procs = []
-    for rank, (host, batch) in enumerate(zip(network.hosts, ("12", "20"))):
+    for rank, batch in enumerate(("12", "20")):
         flags, variables = own[rank] if rank < len(own) else ((), {})
         args = toy_train_args(tmp_path / "ckpt", 1) + ["--max-sentences", batch, *rank_flags(rank, 2, init), *extra,
                                                        *flags]
-        procs.append(subprocess.Popen(host.command(*train_command(*args)), cwd=tmp_path,
-                                      env={**(env or node_env()), **variables},
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+        procs.append(start_on(network, rank, args, tmp_path, {**(env or node_env()), **variables}))
     return procs
 
 
-def finish(procs: list[subprocess.Popen]) -> list[tuple[int, str]]:
+def finish(procs: Sequence[ForkedCommand]) -> list[tuple[int, str]]:
     """Each command's exit code and stderr."""
     try:
         errors = [proc.communicate(timeout=240)[1] for proc in procs]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -19,13 +18,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import TOY_PLUGIN, final_parameters, free_port, rank_flags, run_nodes, subprocess_env, train_command
+from helpers import TOY_PLUGIN, final_parameters, free_port, rank_flags, run_nodes, subprocess_env
 from hetfair.checkpoint.layout import load_checkpoint
 from hetfair.launch.rendezvous import SECRET_ENV
 from comm_reference import CPU, builtin_link as LinkMeasurement
 from hetfair.parallel.comm_advice import BOUND_RATIO, CommAdvisor, advise, fit_outer_loop
 from hetfair.parallel.powersgd import AUTO_RANKS, PowerSGD
 from hetfair_cli.train import main as train_main
+from multi_host import start_on
 from toy_plugin import Blobs, ToyMLP
 from toy_reference import LR, SEED, TRAIN_SIZE, toy_train_args
 
@@ -271,11 +271,10 @@ def test_auto_on_a_slow_link_switches_to_powersgd_and_suggests_the_outer_loop_th
 
     def train(save_dir: Path, *flags: str) -> str:
         procs = []
-        for rank, host in enumerate(network.hosts):
+        for rank in range(2):
             args = toy_train_args(save_dir, 1, ("--toy-hidden", "1024", *flags, "--log-format", "simple"))
-            procs.append(subprocess.Popen(host.command(*train_command(*args, "--max-sentences", "16",
-                                                                      *rank_flags(rank, 2, init))),
-                                          cwd=tmp_path, env=env, stderr=subprocess.PIPE, text=True))
+            procs.append(start_on(network, rank, [*args, "--max-sentences", "16", *rank_flags(rank, 2, init)],
+                                  tmp_path, env))
         errors = [proc.communicate(timeout=240)[1] for proc in procs]
         assert [proc.returncode for proc in procs] == [0, 0], errors
         return errors[0]

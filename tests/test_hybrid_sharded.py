@@ -7,20 +7,18 @@ reference is the plain PyTorch loop of toy_reference.py over the same global bat
 from __future__ import annotations
 
 import json
-import subprocess
 from pathlib import Path
 
 import pytest
 import torch
 
-from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, rank_flags, run_nodes, \
-    train_command
+from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, rank_flags, run_nodes
 from hetfair.errors import ConfigError
 from hetfair.parallel import ParallelConfig
 from hetfair.parallel.nodes import node_layout
 from hetfair.run.startup import PARALLELISM, RankFacts, check_agreement
 from hetfair_cli.train import main as train_main
-from multi_host import finish, node_env
+from multi_host import finish, node_env, start_on
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
 HYBRID_2X2 = ("--ddp-backend", "hybrid_sharded", "--shard-group-size", "2")
@@ -63,8 +61,7 @@ def start_on_hosts(network, tmp_path: Path, hosts: list[int], batches: list[int]
         args = toy_train_args(tmp_path / "ckpt", 1) + ["--max-sentences", str(batch),
                                                        *rank_flags(rank, len(hosts), init),
                                                        "--ddp-backend", "hybrid_sharded", *extra]
-        procs.append(subprocess.Popen(network.hosts[host].command(*train_command(*args)), cwd=tmp_path, env=env,
-                                      stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+        procs.append(start_on(network, host, args, tmp_path, env))
     return finish(procs)
 
 

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import socket
 import subprocess
 import sys
+from multiprocessing import forkserver
+from pathlib import Path
 
 import pytest
 
+import forked_cli
 from netns import NETNS_ETC, Network, unavailable
 
 _ECHO_SERVER = """
@@ -72,3 +76,36 @@ def test_a_failed_creation_removes_what_it_made():
 def test_without_root_the_reason_is_one_line(monkeypatch):
     monkeypatch.setattr("os.geteuid", lambda: 1000)
     assert unavailable.__wrapped__() == "network namespaces need root"
+
+
+def _view(seen) -> None:
+    """What this process sees of the machine: its interfaces, its /etc/hosts, its hostname's address."""
+    seen.put((sorted(name for _, name in socket.if_nameindex()), Path("/etc/hosts").read_text(),
+              socket.gethostbyname(socket.gethostname())))
+
+
+def _command_and_worker(namespace: str, server: str, seen) -> None:
+    """A command forked onto a host, as forked_cli starts one, and a worker it starts as the launcher would."""
+    forked_cli.become_command(namespace, server)
+    _view(seen)
+    worker = forked_cli._CONTEXT.Process(target=_view, args=(seen,))
+    worker.start()
+    worker.join()
+
+
+def test_a_command_forked_onto_a_host_and_its_workers_see_only_that_host(make_network):
+    """forked_cli's commands on a host of a test network, and the workers their launchers start from the tests'
+    fork server, see what ``ip netns exec`` shows a command: the host's interfaces and /etc files, not the
+    machine's, whose own stay as they were."""
+    hosts_file = f"127.0.0.1 localhost\n127.0.0.1 {socket.gethostname()}\n"
+    host = make_network(1, etc={"hosts": hosts_file}).hosts[0]
+    machine = Path("/etc/hosts").read_text()
+    forkserver._forkserver.ensure_running()
+    seen = forked_cli._CONTEXT.SimpleQueue()
+    command = forked_cli._CONTEXT.Process(target=_command_and_worker, args=(
+        host.namespace, forkserver._forkserver._forkserver_address, seen))
+    command.start()
+    command.join(60)
+    assert command.exitcode == 0
+    assert [seen.get(), seen.get()] == [(["eth0", "lo"], hosts_file, "127.0.0.1")] * 2
+    assert Path("/etc/hosts").read_text() == machine

@@ -12,7 +12,6 @@ import copy
 import io
 import itertools
 import json
-import subprocess
 from pathlib import Path
 from typing import Callable, Iterable, Optional, Sequence
 
@@ -20,10 +19,10 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, rank_flags, run_nodes, train_command
+from helpers import TOY_PLUGIN, final_parameters, free_port, node_commands, rank_flags, run_nodes
 from hetfair.checkpoint.layout import load_checkpoint
 from hetfair_cli.train import main as train_main
-from multi_host import finish, node_env
+from multi_host import finish, node_env, start_on
 from toy_plugin import Blobs, ToyMLP
 from toy_reference import EPOCHS, LR, SEED, TRAIN_SIZE, assert_same, reference_parameters, toy_train_args
 
@@ -340,11 +339,9 @@ def test_diloco_across_hosts_tracks_ddp_and_resumes(make_network, tmp_path, ddp_
 
     def diloco(*extra: str) -> str:
         init = f"tcp://{network.hosts[0].address}:29500"
-        procs = [subprocess.Popen(host.command(*train_command(*tracking_flags(tmp_path / "diloco", batch),
-                                                              *rank_flags(rank, 2, init), "--ddp-backend", "diloco",
-                                                              *streaming, *extra)),
-                                  cwd=tmp_path, env=node_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-                 for rank, (host, batch) in enumerate(zip(network.hosts, CAPS))]
+        procs = [start_on(network, rank, [*tracking_flags(tmp_path / "diloco", batch), *rank_flags(rank, 2, init),
+                                          "--ddp-backend", "diloco", *streaming, *extra], tmp_path, node_env())
+                 for rank, batch in enumerate(CAPS)]
         results = finish(procs)
         for code, err in results:
             assert code == 0, err

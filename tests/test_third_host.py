@@ -11,10 +11,11 @@ import subprocess
 import sys
 from pathlib import Path
 
-from helpers import final_parameters, rank_flags, train_command
+from helpers import final_parameters, rank_flags
 from hetfair.launch.network import GLOO_INTERFACE_ENV
 from hetfair.launch.rendezvous import SECRET_ENV
-from multi_host import HOSTNAME_MEANS_LOOPBACK, finish, node_env, start_nodes
+from forked_cli import ForkedCommand
+from multi_host import HOSTNAME_MEANS_LOOPBACK, finish, node_env, start_nodes, start_on
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
 _OUTSIDER = """
@@ -33,16 +34,15 @@ print(published)
 """
 
 
-def start_rank(host, rank: int, tmp_path: Path, secret: str | None, timeout: int) -> subprocess.Popen:
-    """Rank ``rank`` of the job's toy run (batch 12 on rank 0, 20 on rank 1) on ``host``, with ``secret``."""
+def start_rank(network, host: int, rank: int, tmp_path: Path, secret: str | None, timeout: int) -> ForkedCommand:
+    """Rank ``rank`` of the job's toy run (batch 12 on rank 0, 20 on rank 1) on host ``host``, with ``secret``."""
     init = "tcp://10.231.0.1:29500"
     args = toy_train_args(tmp_path / "ckpt", 1) + ["--max-sentences", ("12", "20")[rank], *rank_flags(rank, 2, init),
                                                    "--distributed-timeout", str(timeout)]
     env = {name: value for name, value in node_env().items() if name != SECRET_ENV}
     if secret is not None:
         env[SECRET_ENV] = secret
-    return subprocess.Popen(host.command(*train_command(*args)), cwd=tmp_path, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return start_on(network, host, args, tmp_path, env)
 
 
 def outsider(host, action: str) -> str:
@@ -53,7 +53,7 @@ def outsider(host, action: str) -> str:
     return done.stdout.strip()
 
 
-def one_line(proc: subprocess.Popen) -> tuple[int, str]:
+def one_line(proc: ForkedCommand) -> tuple[int, str]:
     _, err = proc.communicate(timeout=240)
     lines = err.strip().splitlines()
     assert len(lines) == 1, err  # no traceback, no C++ lines
@@ -65,17 +65,17 @@ def test_a_third_host_without_the_secret_is_refused_and_the_job_trains_on(make_n
     rank 1, without a secret and with another one: each is refused, and the job's real rank 1, started after
     them, trains to the same parameters as plain PyTorch."""
     network = make_network(3, etc=HOSTNAME_MEANS_LOOPBACK)
-    rank0 = start_rank(network.hosts[0], 0, tmp_path, "the job's secret", timeout=120)
+    rank0 = start_rank(network, 0, 0, tmp_path, "the job's secret", timeout=120)
     procs = [rank0]
     try:
         assert outsider(network.hosts[2], "forge").partition(":")[2].startswith("2|")  # it reads the keys
         (tmp_path / "outsider").mkdir()
-        code, line = one_line(start_rank(network.hosts[2], 1, tmp_path / "outsider", None, timeout=3))
+        code, line = one_line(start_rank(network, 2, 1, tmp_path / "outsider", None, timeout=3))
         assert code == 2 and f"same secret in the {SECRET_ENV} environment variable" in line, line
-        code, line = one_line(start_rank(network.hosts[2], 1, tmp_path / "outsider", "a guess", timeout=3))
+        code, line = one_line(start_rank(network, 2, 1, tmp_path / "outsider", "a guess", timeout=3))
         assert code == 2 and line.endswith(f"not signed with this node's secret: give every node the same "
                                            f"{SECRET_ENV})"), line
-        procs.append(start_rank(network.hosts[1], 1, tmp_path, "the job's secret", timeout=120))
+        procs.append(start_rank(network, 1, 1, tmp_path, "the job's secret", timeout=120))
         results = finish(procs)
     finally:
         for proc in procs:
@@ -90,10 +90,10 @@ def test_a_third_host_can_stop_the_check_in_and_the_node_says_so_in_one_line(mak
     never sees a world size signed by rank 0, and ends after its timeout with one line pointing at the secret,
     instead of joining a forged job or hanging. (Rank 0 would wait for its own, longer timeout: stopped here.)"""
     network = make_network(3, etc=HOSTNAME_MEANS_LOOPBACK)
-    rank0 = start_rank(network.hosts[0], 0, tmp_path, "the job's secret", timeout=120)
+    rank0 = start_rank(network, 0, 0, tmp_path, "the job's secret", timeout=120)
     try:
         outsider(network.hosts[2], "overwrite")
-        code, line = one_line(start_rank(network.hosts[1], 1, tmp_path, "the job's secret", timeout=3))
+        code, line = one_line(start_rank(network, 1, 1, tmp_path, "the job's secret", timeout=3))
     finally:
         rank0.kill()
         rank0.wait()
