@@ -325,7 +325,8 @@ def trainer_extras(trainer: Any, batch: dict[str, Any]) -> list[list[str]]:
         "gradient norm (foreach_norm, stack, vector_norm, float)": lambda: trainer._clip_grad_norm(grads, 1.0),
         "criterion logs: float(loss), argmax accuracy": lambda: (
             float(F.cross_entropy(logits, target, reduction="sum")), float((logits.argmax(-1) == target).sum())),
-        "stats of one process: start and wait (no collective)": lambda: trainer._start_stats_sync({"loss": 1.0}).wait(),
+        "stats of one process: start and wait (no collective)": lambda: trainer._start_stats_sync(
+            {"loss": 1.0}, len(target)).wait(),
         "plain: F.cross_entropy(logits, target) (for scale)": lambda: F.cross_entropy(logits, target),
     }
     rows = []

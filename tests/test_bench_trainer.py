@@ -1,0 +1,30 @@
+"""benchmarks/bench_trainer.py's profile of Trainer.train_step runs against the Trainer as it is now."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from benchmarks import bench_trainer  # noqa: E402
+from benchmarks.common import DEFAULT_DATA  # noqa: E402
+
+
+@pytest.mark.skipif(not (DEFAULT_DATA / "train-images-idx3-ubyte.gz").is_file(),
+                    reason=f"Fashion-MNIST is not installed in {DEFAULT_DATA} (Debian package dataset-fashion-mnist)")
+def test_the_profile_times_each_extra_of_an_update(capsys):
+    """--profile ends with the table of what an update does beyond a plain one, each extra timed alone (the
+    table called a private method of the Trainer with its old arguments and crashed, unnoticed)."""
+    threads = torch.get_num_threads()
+    try:
+        bench_trainer.main(["--models", "mnist_mlp", "--no-e2e", "--quick", "--profile", "10"])
+    finally:
+        torch.set_num_threads(threads)  # the benchmark's one thread, not for the tests after this one
+    table = capsys.readouterr().out.split("Trainer extras beyond a plain update")[1]
+    timed = [line.rsplit(None, 1) for line in table.splitlines() if line.split() and line.split()[-1][:1].isdigit()]
+    assert len(timed) == 6 and all(float(us) > 0 for _, us in timed), table
