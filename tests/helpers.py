@@ -11,6 +11,7 @@ import threading
 from pathlib import Path
 from typing import Sequence
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -25,6 +26,18 @@ from common import descendants, rank_pids as worker_pids  # noqa: E402,F401  (fo
 TESTS_DIR = Path(__file__).resolve().parent
 REPO_ROOT = TESTS_DIR.parent
 TOY_PLUGIN = TESTS_DIR / "toy_plugin"
+FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
+"""Debian's dataset-fashion-mnist: the real images, for the tests that read them."""
+
+
+def fashion_mnist_installed() -> bool:
+    return (FASHION_MNIST / "train-images-idx3-ubyte.gz").is_file()
+
+
+needs_fashion_mnist = pytest.mark.skipif(
+    not fashion_mnist_installed(),
+    reason=f"Fashion-MNIST is not installed in {FASHION_MNIST} (Debian package dataset-fashion-mnist)",
+)
 
 
 def leave_group() -> None:

@@ -3,20 +3,17 @@
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
-import pytest
 import torch
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+from helpers import REPO_ROOT, needs_fashion_mnist
+
 sys.path.insert(0, str(REPO_ROOT))
 
 from benchmarks import bench_trainer  # noqa: E402
-from benchmarks.common import DEFAULT_DATA  # noqa: E402
 
 
-@pytest.mark.skipif(not (DEFAULT_DATA / "train-images-idx3-ubyte.gz").is_file(),
-                    reason=f"Fashion-MNIST is not installed in {DEFAULT_DATA} (Debian package dataset-fashion-mnist)")
+@needs_fashion_mnist
 def test_the_profile_times_each_extra_of_an_update(capsys):
     """--profile ends with the table of what an update does beyond a plain one, each extra timed alone (the
     table called a private method of the Trainer with its old arguments and crashed, unnoticed)."""

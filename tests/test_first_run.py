@@ -21,14 +21,13 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO_ROOT, subprocess_env
+from helpers import REPO_ROOT, fashion_mnist_installed, subprocess_env
 
 VENV = Path(sys.executable).parent.parent
 BUDGET = "--max-images 3000"
-FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 
 needs_make_and_data = pytest.mark.skipif(
-    shutil.which("make") is None or not (FASHION_MNIST / "train-images-idx3-ubyte.gz").is_file()
+    shutil.which("make") is None or not fashion_mnist_installed()
     or not (VENV / "bin" / "hetfair-train").is_file(),
     reason="make demo needs make, Debian's dataset-fashion-mnist and hetfair's console scripts beside this Python",
 )

@@ -20,13 +20,13 @@ import numpy as np
 import pytest
 import torch
 
+from helpers import FASHION_MNIST, needs_fashion_mnist
 from hetfair.errors import DataError
 from hetfair.options import parse_train_args
 from hetfair.plugins import import_user_dir
 from hetfair_cli.train import main as train_main
 
 PLUGIN_DIR = Path(__file__).resolve().parents[1] / "plugins"
-FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 UNREACHABLE = "http://127.0.0.1:9/"  # the discard port: connections are refused at once
 
 import_user_dir(PLUGIN_DIR)
@@ -35,11 +35,6 @@ mnist_data = importlib.import_module("plugins.mnist_data")
 mnist_download = importlib.import_module("plugins.mnist_download")
 mnist_sources = importlib.import_module("plugins.mnist_sources")
 MnistTask = importlib.import_module("plugins.mnist_task").MnistTask
-
-needs_fashion_mnist = pytest.mark.skipif(
-    not (FASHION_MNIST / "train-images-idx3-ubyte.gz").is_file(),
-    reason=f"Fashion-MNIST is not installed in {FASHION_MNIST} (Debian package dataset-fashion-mnist)",
-)
 
 TYPE_CODES = {"u1": 0x08, "i1": 0x09, "i2": 0x0B, "i4": 0x0C, "f4": 0x0D, "f8": 0x0E}
 

@@ -15,9 +15,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from helpers import REPO_ROOT, subprocess_env
+from helpers import FASHION_MNIST, REPO_ROOT, needs_fashion_mnist, subprocess_env
 
-FASHION_MNIST = Path("/usr/share/datasets/fashion-mnist")
 OPTIONAL = ("sentencepiece", "tokenizers", "tensorboard", "torch.utils.tensorboard", "transformers",
             "datasets")
 
@@ -47,8 +46,7 @@ def test_help_and_listing_import_no_optional_library(argv, tmp_path):
     assert imported_after(argv, tmp_path) == []
 
 
-@pytest.mark.skipif(not (FASHION_MNIST / "train-images-idx3-ubyte.gz").is_file(),
-                    reason=f"Fashion-MNIST is not installed in {FASHION_MNIST} (Debian package dataset-fashion-mnist)")
+@needs_fashion_mnist
 def test_mnist_plugin_run_imports_no_optional_library(tmp_path):
     argv = ["--user-dir", str(REPO_ROOT / "plugins"), "--task", "mnist", "--data", str(FASHION_MNIST),
             "--arch", "mnist_mlp", "--max-sentences", "8", "--max-update", "1", "--cpu", "--no-save",
