@@ -53,7 +53,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("hetfair.parallel",),  # in training: process context, collectives, stats, strategies, ZeRO, FSDP
     ("hetfair.registry", "hetfair.plugins", "hetfair.families"),  # the generic registry, plugin discovery, family specs
     ("hetfair.errors", "hetfair.utils", "hetfair.rng", "hetfair.data.indexed_dataset",
-     "hetfair.data.preprocess_output", "hetfair.memory", "hetfair.models.deferred_init"),  # leaves (the binary token format and preprocessing output every family shares; memory sizes; the deferred build strategies materialise from)
+     "hetfair.data.preprocess_output", "hetfair.memory", "hetfair.models.deferred_init", "hetfair.cluster", "hetfair.data.batch_plan", "hetfair.data.update_shape"),  # leaves (the binary token format and preprocessing output every family shares; memory sizes; the deferred build strategies materialise from; the cluster file and GPU catalogue; the batch split, pure arithmetic the cluster plan shares)
 ]
 
 
