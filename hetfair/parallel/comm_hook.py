@@ -51,6 +51,8 @@ class CommHook:
     """The advice may suggest it and ``auto`` may switch it on."""
     tie_order: ClassVar[int] = 100
     """Among hooks predicted equally fast, the advice picks the lowest (``bf16`` 0 before ``fp16`` 1)."""
+    plan_settings: ClassVar[tuple[dict[str, Any], ...]] = ({},)
+    """The settings of its flags the cluster plan weighs (by flag; a flag not given at its default)."""
     keeps_state: ClassVar[bool] = False
     """It has checkpoint state (:meth:`state_dict`): the checkpoint's ``comm`` part holds it."""
 

@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from hetfair.errors import ConfigError
-from hetfair.parallel import register_strategy
+from hetfair.memory.budget import fractions_from_budgets
+from hetfair.parallel import cost_model, register_strategy
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.sharded_gradients import REDUCE_DTYPES, ShardedGradientsStrategy
@@ -46,6 +47,22 @@ class FullyShardedStrategy(ShardedGradientsStrategy):
         from hetfair.parallel.uneven_sharded import UnevenShardedStrategy
 
         return UnevenShardedStrategy
+
+    @classmethod
+    def cost_variants(cls, name: str, job: cost_model.Job) -> list[ParallelConfig]:
+        """Equal shards (FSDP2) and, where the devices' memories differ, shards by memory (the uneven engine)."""
+        if job.world < 2:
+            return []
+        memories = [float(rank.memory) for rank in job.ranks]
+        by_memory = [ParallelConfig(name, shard_fractions=fractions_from_budgets(memories))] \
+            if len(set(memories)) > 1 else []
+        return [ParallelConfig(name), *by_memory]
+
+    @classmethod
+    def predict(cls, config: ParallelConfig, job: cost_model.Job) -> cost_model.UpdateCost:
+        if config.shard_fractions is None:
+            return cost_model.fully_sharded(job)
+        return cost_model.uneven_sharded(job, config.shard_fractions)
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         super().__init__(config, context)

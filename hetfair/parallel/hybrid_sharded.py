@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Optional
 import torch
 
 from hetfair.errors import ConfigError
-from hetfair.parallel import register_strategy
+from hetfair.parallel import cost_model, register_strategy
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.fully_sharded import FullyShardedStrategy
@@ -47,6 +47,16 @@ class HybridShardedStrategy(FullyShardedStrategy):
     @classmethod
     def variant(cls, config: ParallelConfig) -> type[Strategy]:
         return cls
+
+    @classmethod
+    def cost_variants(cls, name: str, job: cost_model.Job) -> list[ParallelConfig]:
+        """On several nodes of the same number of devices, more than one each."""
+        counts = {sum(1 for rank in job.ranks if rank.node == node) for node in range(job.nodes)}
+        return [ParallelConfig(name)] if job.nodes > 1 and len(counts) == 1 and job.per_node > 1 else []
+
+    @classmethod
+    def predict(cls, config: ParallelConfig, job: cost_model.Job) -> cost_model.UpdateCost:
+        return cost_model.hybrid_sharded(job)
 
     @classmethod
     def check_world(cls, config: ParallelConfig, world_size: int) -> None:

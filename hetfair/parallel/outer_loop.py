@@ -56,7 +56,7 @@ from __future__ import annotations
 import logging
 from contextlib import nullcontext
 from dataclasses import dataclass, field
-from typing import Any, ContextManager, Optional, Sequence
+from typing import Any, ClassVar, ContextManager, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -64,7 +64,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from hetfair.parallel import register_strategy
+from hetfair.parallel import cost_model, register_strategy
 from hetfair.errors import ConfigError
 from hetfair.parallel.collectives import all_gather_ints
 from hetfair.parallel.config import ParallelConfig
@@ -77,6 +77,10 @@ from hetfair.parallel.strategy import Strategy, refusal_of_backend
 logger = logging.getLogger(__name__)
 
 DEFAULT_INTERVAL = 8
+COST_INTERVALS = (8, 32)
+"""``--outer-interval`` values the cluster plan weighs (:meth:`OuterLoopStrategy.cost_variants`)."""
+COST_FRAGMENTS = 4
+"""``--outer-fragments`` of the streaming variant it weighs."""
 OUTER_STATE = "outer_loop"
 """The key, next to rank 0's plain optimizer state, of what the outer loop adds to a checkpoint."""
 
@@ -114,6 +118,28 @@ class OuterLoopStrategy(Strategy):
                    "--inner-steps-by", "--find-unused-parameters", "--bucket-cap-mb")  # DDP inside each node
     outer_lr = 1.0
     outer_momentum = 0.0
+    outer_state_copies: ClassVar[int] = 1
+    """fp32 copies of the parameters the mode holds besides the model's (the anchor)."""
+
+    @classmethod
+    def cost_variants(cls, name: str, job: cost_model.Job) -> list[ParallelConfig]:
+        """Across nodes only: each of :data:`COST_INTERVALS` plainly (fp32, one fragment) and streaming (int4,
+        :data:`COST_FRAGMENTS` fragments, overlapped)."""
+        if job.nodes < 2:
+            return []
+        return [config for interval in COST_INTERVALS for config in (
+            ParallelConfig(name, outer_interval=interval),
+            ParallelConfig(name, outer_interval=interval, outer_fragments=COST_FRAGMENTS, outer_overlap=True,
+                           outer_reduce_dtype="int4"))]
+
+    @classmethod
+    def predict(cls, config: ParallelConfig, job: cost_model.Job) -> cost_model.UpdateCost:
+        return cost_model.outer_loop(job, config.outer_interval or DEFAULT_INTERVAL, config.outer_reduce_dtype,
+                                     config.outer_fragments, config.outer_overlap, cls.outer_state_copies)
+
+    @classmethod
+    def changes_numbers(cls, config: ParallelConfig, job: cost_model.Job) -> bool:
+        return True  # nodes train apart between rounds
 
     @classmethod
     def check_options(cls, config: ParallelConfig) -> None:
@@ -367,6 +393,10 @@ class OuterLoopStrategy(Strategy):
 class LocalSGDStrategy(OuterLoopStrategy):
     """LocalSGD: every ``--outer-interval`` updates, the sample-weighted average of the parameters."""
 
+    @classmethod
+    def cost_variants(cls, name: str, job: cost_model.Job) -> list[ParallelConfig]:
+        return []  # it costs what DiLoCo does; the plan weighs DiLoCo, closer to DDP's loss at the same interval
+
 
 @register_strategy("diloco")
 class DiLoCoStrategy(OuterLoopStrategy):
@@ -374,6 +404,7 @@ class DiLoCoStrategy(OuterLoopStrategy):
     pseudo-gradient."""
 
     owned_flags = (*OuterLoopStrategy.owned_flags, "--outer-lr", "--outer-momentum")
+    outer_state_copies = 2  # the anchor and the outer momentum
 
     def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
         self.outer_lr = 0.7 if config.outer_lr is None else config.outer_lr

@@ -57,6 +57,7 @@ class PowerSGD(CommHook):
 
     tie_order = 2
     keeps_state = True
+    plan_settings = ({RANK: 2},)  # the smallest rank measured within 5% of the exact all-reduce's loss (docs)
 
     def __init__(self, options: Mapping[str, Any], context: DistributedContext,
                  params: Sequence[torch.nn.Parameter]) -> None:

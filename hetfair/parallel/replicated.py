@@ -18,6 +18,7 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from hetfair.parallel import cost_model
 from hetfair.parallel import zero_sharding as zero
 from hetfair.parallel import register_strategy
 from hetfair.parallel.comm_hook import check_comm_hook
@@ -62,6 +63,24 @@ class ReplicatedStrategy(Strategy):
     @classmethod
     def takes_shard_weights(cls, config: ParallelConfig) -> bool:
         return config.zero_sharding != "none"
+
+    @classmethod
+    def cost_variants(cls, name: str, job: "cost_model.Job") -> list[ParallelConfig]:
+        """Every comm hook setting the model's costs list and ZeRO-1 with the exact all-reduce; on one process, DDP
+        alone (nothing to communicate)."""
+        if job.world == 1:
+            return [ParallelConfig(name)]
+        hooks = [ParallelConfig(name, ddp_comm_hook=hook.name, comm_options=hook.options) for hook in job.model.hooks]
+        return [*hooks, ParallelConfig(name, zero_sharding="os")]
+
+    @classmethod
+    def predict(cls, config: ParallelConfig, job: "cost_model.Job") -> "cost_model.UpdateCost":
+        hook = job.model.hook(config.ddp_comm_hook, config.comm_options)
+        return cost_model.replicated(job, hook.sent, zero=config.zero_sharding != "none")
+
+    @classmethod
+    def changes_numbers(cls, config: ParallelConfig, job: "cost_model.Job") -> bool:
+        return job.model.hook(config.ddp_comm_hook, config.comm_options).lossy
 
     def wrap(self, model: nn.Module) -> nn.Module:
         if not self.context.is_distributed:

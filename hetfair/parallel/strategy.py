@@ -25,6 +25,7 @@ from hetfair.parallel.config import ParallelConfig
 
 if TYPE_CHECKING:
     from hetfair.optim import HetfairOptimizer
+    from hetfair.parallel.cost_model import Job, UpdateCost
     from hetfair.parallel.gradient_comm import GradientComm
 
 PlanRole = Literal["replicated", "sharded"]
@@ -85,6 +86,24 @@ class Strategy:
     def variant(cls, config: ParallelConfig) -> type["Strategy"]:
         """The class that runs this mode with ``config`` (a mode may have more than one engine)."""
         return cls
+
+    # -- the cluster plan's cost model (hetfair.parallel.cost_model) ---------------------------
+    @classmethod
+    def cost_variants(cls, name: str, job: "Job") -> list[ParallelConfig]:
+        """The settings of this mode (registered as ``name``) the cluster plan weighs for ``job``; ``[]``: none (the
+        mode cannot run there, or has no formula), as here."""
+        return []
+
+    @classmethod
+    def predict(cls, config: ParallelConfig, job: "Job") -> "UpdateCost":
+        """One update of ``job`` in this mode with ``config`` (one of :meth:`cost_variants`): the mode's formula in
+        :mod:`hetfair.parallel.cost_model`."""
+        raise NotImplementedError(f"{cls.__name__} has no cost formula")
+
+    @classmethod
+    def changes_numbers(cls, config: ParallelConfig, job: "Job") -> bool:
+        """Whether the mode's update differs from plain data parallelism's beyond float rounding (lossy)."""
+        return False
 
     @classmethod
     def builds_deferred(cls, config: ParallelConfig) -> bool:

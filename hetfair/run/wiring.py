@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -23,9 +23,11 @@ from hetfair.optim import LR_SCHEDULER_REGISTRY, OPTIMIZER_REGISTRY
 from hetfair.options import plain_config
 from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig, build_strategy
 from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.cost_model import ModelCost
+from hetfair.plan.model_cost import measure_model_cost
 from hetfair.plan.planner import JobPlan, Planner, plan_probes
 from hetfair.plan.probe import longest_sample_batches
-from hetfair.plan.state import optimizer_state_ratio
+from hetfair.plan.state import OptimizerFactory, optimizer_state_ratio
 from hetfair.precision.auto import resolved_precision
 from hetfair.precision.mixed import LossScaler
 from hetfair.rng import seed_everything
@@ -95,16 +97,28 @@ class RunWiring:
     def plan(self, components: Components) -> JobPlan:
         """The job's plan (probing this rank's micro-batch where it is ``auto``; a collective); :attr:`config`
         and the options the components and the checkpoint see become the plan's."""
-        model, task = components.model, components.task
-        units = model.sharding_units() if isinstance(model, HetfairModel) else []
-        recipe = OPTIMIZER_REGISTRY.get(self._args.optimizer)
-        planner = Planner(self.config, self.context, model, components.criterion,
-                          longest_sample_batches(components.train_data, task.collater), len(components.train_data),
-                          task.max_positions(), units, lambda params: recipe.build(self._args, params))
+        batch_of, units, build_optimizer = self._plan_inputs(components)
+        planner = Planner(self.config, self.context, components.model, components.criterion, batch_of,
+                          len(components.train_data), components.task.max_positions(), units, build_optimizer)
         plan, planned = planner.plan()
         self._args = planned_options(self._args, self.config, planned)
         self.config = planned
         return plan
+
+    def model_cost(self, components: Components) -> ModelCost:
+        """What the model costs on any device, for the cluster plan (:mod:`hetfair.plan.model_cost`)."""
+        batch_of, units, build_optimizer = self._plan_inputs(components)
+        return measure_model_cost(components.model, components.criterion, batch_of, units, build_optimizer)
+
+    def _plan_inputs(self, components: Components) -> tuple[Callable[[int], dict[str, Any]], list[torch.nn.Module],
+                                                            OptimizerFactory]:
+        """The plans' view of the model: ``n`` -> a batch of ``n`` of its largest samples, its sharding units, and
+        how its optimizer is built."""
+        model, task = components.model, components.task
+        units = model.sharding_units() if isinstance(model, HetfairModel) else []
+        recipe = OPTIMIZER_REGISTRY.get(self._args.optimizer)
+        return (longest_sample_batches(components.train_data, task.collater), list(units),
+                lambda params: recipe.build(self._args, params))
 
     def build_trainer(self, components: Components, loss_scaler: Optional[LossScaler],
                       parallel: ParallelConfig) -> Trainer:

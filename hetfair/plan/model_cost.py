@@ -1,0 +1,70 @@
+"""What a model costs whatever the device: FLOPs and saved activations per sample, state sizes, comm hook bytes.
+
+Measured once on the real model and criterion (:func:`measure_model_cost`): torch's
+``FlopCounterMode`` counts the FLOPs of a forward and backward, and a
+``saved_tensors_hooks`` pair counts the bytes the forward saves for the backward (each storage
+once, the parameters left out), each on a batch of one and of two samples, so that what does
+not grow with the batch cancels out. The state sizes are the automatic plan's
+(:class:`~hetfair.plan.state.StateSizes`); each comm hook the plan weighs
+(:attr:`~hetfair.parallel.comm_hook.CommHook.plan_settings`) says what it sends of these gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from hetfair.parallel.comm_hook import AUTO, hook_options, hooks_in_play
+from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.cost_model import HookVariant, ModelCost
+from hetfair.plan.state import OptimizerFactory, StateSizes
+
+
+def measure_model_cost(model: nn.Module, criterion: nn.Module, batch_of: Callable[[int], dict[str, Any]],
+                       units: Sequence[nn.Module], build_optimizer: OptimizerFactory) -> ModelCost:
+    """``model``'s :class:`ModelCost`, from steps on ``batch_of(1)`` and ``batch_of(2)`` (on the model's device, fp32;
+    the gradients are dropped after)."""
+    one, two = _step_costs(model, criterion, batch_of(1)), _step_costs(model, criterion, batch_of(2))
+    sizes = StateSizes.of(model, units, build_optimizer)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return ModelCost(parameters=sum(p.numel() for p in trainable), flops_per_sample=max(two[0] - one[0], 1.0),
+                     activation_bytes=max(two[1] - one[1], 0), optimizer_ratio=sizes.optimizer_ratio,
+                     units=len(units) + 1, largest_unit_bytes=sizes.largest_unit,
+                     hooks=hook_variants(trainable))
+
+
+def hook_variants(params: Sequence[nn.Parameter]) -> tuple[HookVariant, ...]:
+    """The exact all-reduce and every advised hook at each of its plan settings, with what each sends of the
+    gradients of ``params``."""
+    context = DistributedContext(0, 1, 0, torch.device("cpu"))
+    variants = []
+    for name, hook in hooks_in_play(AUTO).items():
+        for setting in hook.plan_settings:
+            sent = hook(hook_options(hook, setting), context, params).sent_fraction()
+            variants.append(HookVariant(name, tuple(setting.items()), sent, hook.lossy))
+    return tuple(variants)
+
+
+def _step_costs(model: nn.Module, criterion: nn.Module, batch: dict[str, Any]) -> tuple[float, int]:
+    """The FLOPs of one forward and backward on ``batch``, and the bytes its forward saved for the backward."""
+    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved: dict[int, int] = {}
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in parameters:
+            saved[storage.data_ptr()] = storage.nbytes()
+        return tensor
+
+    counter = FlopCounterMode(display=False)
+    try:
+        with counter:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                loss, _size, _logs = criterion(model, batch)
+            loss.backward()
+    finally:
+        model.zero_grad(set_to_none=True)
+    return float(counter.get_total_flops()), sum(saved.values())

@@ -1,0 +1,126 @@
+"""``hetfair-plan``: predict every mode on a cluster before training, rank them, print the best one's commands.
+
+``hetfair-plan --cluster FILE`` followed by ``hetfair-train``'s own task and model flags (the model is built
+once on this machine's CPU to count its FLOPs, activations and state: :mod:`hetfair.plan.model_cost`), or
+``--cluster measure`` to time the model on this machine's own devices instead of a file
+(:mod:`hetfair.plan.measure`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from typing import Sequence
+
+import torch
+
+from hetfair.errors import ConfigError
+from hetfair.options import parse_train_args
+from hetfair_cli.errors import run_cli
+
+MEASURE = "measure"
+SET_BY_THE_PLAN = ("--ddp-backend", "--global-batch-size", "--max-sentences", "--precision", "--distributed-world-size",
+                   "--distributed-init-method", "--distributed-gpus", "--distributed-rank")
+"""``hetfair-train`` flags each node's command gets from the plan (each takes one value)."""
+
+
+def plan_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="hetfair-plan", allow_abbrev=False,
+        description="Predict every parallelism mode of hetfair-train on a cluster, rank them and print the "
+                    "best one's command per node. Every other flag is hetfair-train's (the task, model, "
+                    "optimizer and --global-batch-size).")
+    parser.add_argument("--cluster", required=True, metavar="FILE|measure",
+                        help="the cluster file (TOML or YAML, docs/cluster-file.md), or 'measure': this machine's "
+                             "devices, timed on the model")
+    parser.add_argument("--efficiency", type=float, default=None, metavar="E",
+                        help="the fraction of a catalogued peak FLOP/s a training step reaches (default 0.4; "
+                             "measured rates are used as they are)")
+    parser.add_argument("--rows", type=int, default=12, metavar="N", help="rows of the ranked table to print")
+    return parser
+
+
+def plan_command(argv: list[str]) -> int:
+    if any(arg in ("-h", "--help") for arg in argv):
+        plan_parser().print_help()
+        return 0
+    own, rest = plan_parser().parse_known_args(argv)
+    _check_own(own)
+    args = parse_train_args(rest)
+    from hetfair.cluster.description import load_cluster
+    from hetfair.plan.cluster_plan import DEFAULT_EFFICIENCY, node_commands, predict_all, table
+    from hetfair.run.wiring import RunWiring
+    from hetfair.parallel.context import DistributedContext
+
+    cluster = None if own.cluster == MEASURE else load_cluster(own.cluster)
+    wiring = RunWiring(args, DistributedContext(0, 1, 0, torch.device("cpu")))
+    components = wiring.build_components()
+    cost = wiring.model_cost(components)
+    if cluster is None:
+        from hetfair.plan.measure import measure_cluster
+        from hetfair.plan.probe import longest_sample_batches
+
+        budget = args.memory_budget if isinstance(args.memory_budget, int) else None
+        cluster = measure_cluster(components, longest_sample_batches(components.train_data, components.task.collater),
+                                  cost, budget)
+    batch = _global_batch(args, cluster.world_size)
+    predictions = predict_all(cluster, cost, batch, own.efficiency or DEFAULT_EFFICIENCY)
+    fitting = [p for p in predictions if p.fits]
+    print(f"plan | {cluster.world_size} devices on {len(cluster.nodes)} nodes, global batch {batch}, "
+          f"{cost.parameters:,} parameters, {cost.flops_per_sample / 1e9:.3g} GFLOP per sample (forward and "
+          f"backward)")
+    print("\n".join("plan | " + line for line in table(predictions, own.rows)))
+    if not fitting:
+        raise ConfigError(f"no mode fits the cluster's memory with a global batch of {batch}: give a smaller "
+                          f"--global-batch-size, or devices with more memory")
+    best = fitting[0]
+    exact = next(p for p in fitting if not p.lossy)
+    flags = _train_flags(rest)
+    print(f"\nThe fastest predicted: {best.label()}, {best.samples_per_second:,.1f} samples/s "
+          f"(efficiency {best.efficiency:.2f}). One command per node:")
+    print("\n".join(node_commands(best, cluster, flags)))
+    if exact is not best:
+        print(f"\nThe fastest exact (no lossy communication): {exact.label()}, {exact.samples_per_second:,.1f} "
+              f"samples/s (efficiency {exact.efficiency:.2f}):")
+        print("\n".join(node_commands(exact, cluster, flags)))
+    return 0
+
+
+def _check_own(own: argparse.Namespace) -> None:
+    if own.efficiency is not None and not 0 < own.efficiency <= 1:
+        raise ConfigError(f"--efficiency {own.efficiency}: give a fraction of the peak, above 0 and at most 1")
+    if own.rows < 1:
+        raise ConfigError(f"--rows {own.rows}: give at least 1")
+
+
+def _global_batch(args: argparse.Namespace, world_size: int) -> int:
+    """``--global-batch-size``, else ``--max-sentences`` (one number) on every device."""
+    if args.global_batch_size:
+        return int(args.global_batch_size)
+    if isinstance(args.max_sentences, int):
+        return args.max_sentences * world_size
+    raise ConfigError("hetfair-plan needs the batch to weigh: give --global-batch-size N (samples per update over "
+                      "the whole cluster)")
+
+
+def _train_flags(argv: Sequence[str]) -> str:
+    """``argv`` without the flags the plan sets in each node's command (:data:`SET_BY_THE_PLAN`)."""
+    kept, skip = [], False
+    for arg in argv:
+        if skip:
+            skip = False
+            continue
+        flag = arg.split("=", 1)[0]
+        if flag in SET_BY_THE_PLAN:
+            skip = "=" not in arg
+            continue
+        kept.append(arg)
+    return shlex.join(kept)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return run_cli("hetfair-plan", plan_command, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

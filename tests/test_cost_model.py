@@ -1,0 +1,133 @@
+"""Each mode's formula (hetfair/parallel/cost_model.py) against times and bytes computed by hand.
+
+The job: a model of 1M fp32 parameters (4 MB of gradients, one DDP bucket), 1 GFLOP and 1 MB of
+activations per sample, Adam (2 bytes of state per parameter byte), 4 sharding units; two ranks of
+10 samples at 10 ms each (100 ms of forward and backward, no optimizer step counted: no memory
+bandwidth given), on two nodes joined by 100 MB/s with 0.1 ms latency; inside a node 10 GB/s, 10 us.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from hetfair.cluster.description import Link
+from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig
+from hetfair.parallel import cost_model as cm
+
+NETWORK = Link(1e8, 1e-4)
+INSIDE = Link(1e10, 1e-5)
+MODEL = cm.ModelCost(parameters=1_000_000, flops_per_sample=1e9, activation_bytes=1_000_000, optimizer_ratio=2.0,
+                     units=4, largest_unit_bytes=1_000_000)
+
+
+def job(nodes: int = 2, per_node: int = 1, overlaps: bool = False, model: cm.ModelCost = MODEL,
+        memory: int = 10**9) -> cm.Job:
+    ranks = tuple(cm.Rank(node, 0.01, memory, None, 10) for node in range(nodes) for _ in range(per_node))
+    return cm.Job(model, ranks, (INSIDE,) * nodes, NETWORK, overlaps)
+
+
+def test_the_collectives_are_the_ring_alpha_beta_formulas() -> None:
+    assert cm.all_reduce(NETWORK, 4e6, 2) == pytest.approx(2 * 1e-4 + 4e6 / 1e8)  # 2 (W-1) a + 2 (W-1)/W S/B
+    assert cm.all_reduce(NETWORK, 4e6, 4, messages=3) == pytest.approx(3 * 6 * 1e-4 + 1.5 * 4e6 / 1e8)
+    assert cm.all_gather(NETWORK, 4e6, 4) == pytest.approx(3 * 1e-4 + 0.75 * 4e6 / 1e8)
+    assert cm.send_to_all(NETWORK, 1e6, 3) == pytest.approx(2 * 1e-4 + 2 * 1e6 / 1e8)
+    assert cm.all_reduce(NETWORK, 4e6, 1) == 0.0  # one rank: nothing to exchange
+
+
+def test_replicated_on_cpus_waits_for_the_whole_all_reduce() -> None:
+    cost = cm.replicated(job())
+    all_reduce, stats = 2e-4 + 0.04, 2e-4
+    assert cost.compute == pytest.approx(0.1)
+    assert cost.seconds == pytest.approx(0.1 + all_reduce + stats)
+    assert cost.network_bytes == pytest.approx(4e6)  # 2 (W-1)/W of the 4 MB
+    assert cost.state_memory == (16_000_000, 16_000_000)  # parameters, gradients and Adam's 2x
+
+
+def test_a_hook_that_sends_half_halves_the_bandwidth_term_only() -> None:
+    cost = cm.replicated(job(), sent_fraction=0.5)
+    assert cost.seconds == pytest.approx(0.1 + 2e-4 + 0.02 + 2e-4)
+
+
+def test_on_gpus_ddp_hides_its_buckets_behind_the_backward_but_never_the_last() -> None:
+    one_bucket = cm.replicated(job(overlaps=True))
+    assert one_bucket.exposed == pytest.approx(2e-4 + 0.04 + 2e-4)  # one bucket: ready only at the end
+    big = job(overlaps=True, model=cm.ModelCost(100_000_000, 1e9, 1_000_000, 2.0, 4, 1_000_000))
+    buckets = math.ceil(4e8 / (25 * 2**20))
+    all_reduce = buckets * 2e-4 + 4e8 / 1e8
+    assert buckets == 16
+    assert cm.replicated(big).exposed == pytest.approx(max(all_reduce / 16, all_reduce - 2 / 3 * 0.1) + 2e-4)
+
+
+def test_zero_1_steps_a_shard_and_gathers_the_parameters_after_the_step() -> None:
+    cost = cm.replicated(job(), zero=True)
+    gather = 1e-4 + 0.5 * 4e6 / 1e8
+    assert cost.seconds == pytest.approx(0.1 + 2e-4 + 0.04 + gather + 2e-4)
+    assert cost.state_memory == (12_000_000, 12_000_000)  # Adam's state halved: 4 + 4 + 8 / 2 MB
+
+
+def test_fully_sharded_gathers_twice_and_reduce_scatters_once_per_unit() -> None:
+    cost = cm.fully_sharded(job())
+    gather = 4 * 1e-4 + 0.5 * 4e6 / 1e8
+    assert cost.seconds == pytest.approx(0.1 + 3 * gather + 2e-4)
+    assert cost.network_bytes == pytest.approx(3 * 0.5 * 4e6)
+    assert cost.state_memory == (10_000_000, 10_000_000)  # half of 16 MB, and the 1 MB unit (and its gradients) whole
+
+
+def test_uneven_shards_send_every_segment_padded_to_the_largest() -> None:
+    cost = cm.uneven_sharded(job(), (0.25, 0.75))
+    per_unit_collective = 4 * 1e-4 + 0.75 * 4e6 / 1e8
+    assert cost.seconds == pytest.approx(0.1 + 3 * per_unit_collective + 2e-4)
+    assert cost.state_memory == (6_000_000, 14_000_000)
+
+
+def test_hybrid_shards_inside_nodes_and_all_reduces_the_shards_across() -> None:
+    cost = cm.hybrid_sharded(job(nodes=2, per_node=2))
+    inside = 4 * 1e-5 + 0.5 * 4e6 / 1e10
+    across = 4 * 2 * 1e-4 + 4e6 / 1e8
+    stats = 2 * 3 * 1e-4  # four ranks over the network
+    assert cost.seconds == pytest.approx(0.1 + 3 * inside + across + stats)
+    assert cost.network_bytes == pytest.approx(4e6 / 2)
+
+
+def test_the_outer_loop_pays_its_exchange_once_a_round() -> None:
+    plain = cm.outer_loop(job(), interval=8)
+    assert plain.seconds == pytest.approx(0.1 + 2e-4 + (2e-4 + 0.04) / 8)
+    streamed = cm.outer_loop(job(), interval=8, dtype="int4", fragments=4, overlap=True)
+    assert streamed.seconds == pytest.approx(0.1 + 2e-4)  # 5.7 ms of exchange behind 0.8 s of inner updates
+    packed = math.ceil(1e6 / 128) * (4 + 64)
+    assert cm.outer_loop(job(), interval=8, dtype="int4").seconds == pytest.approx(
+        0.1 + 2e-4 + (1e-4 + packed / 1e8) / 8)
+    assert plain.state_memory == (24_000_000, 24_000_000)  # + the anchor and the outer momentum
+
+
+def test_an_exchange_longer_than_the_round_shows_what_is_left() -> None:
+    slow = cm.Job(MODEL, job().ranks, (INSIDE, INSIDE), Link(1e6, 1e-4), False)
+    exchange = 2e-4 + 4e6 / 1e6  # 4 s of fp32 over 1 MB/s
+    round_compute = 8 * (0.1 + 2e-4)
+    cost = cm.outer_loop(slow, interval=8, overlap=True)
+    assert cost.seconds == pytest.approx(0.1 + 2e-4 + (exchange - round_compute) / 8)
+
+
+def test_memory_fit_takes_the_largest_micro_batch_beside_the_state() -> None:
+    small = job(memory=20_000_000)
+    micro, peaks = cm.memory_fit(small, cm.replicated(small).state_memory)
+    assert micro == (4, 4)  # (20 MB - 16 MB) / 1 MB per sample
+    assert peaks == (20_000_000, 20_000_000)
+    assert cm.memory_fit(job(memory=15_000_000), (16_000_000, 0))[0] == (0, 10)
+
+
+def test_each_strategy_names_its_own_formula() -> None:
+    two = job()
+    c10d, sharded = STRATEGY_REGISTRY.get("c10d"), STRATEGY_REGISTRY.get("fully_sharded")
+    assert c10d.predict(ParallelConfig("c10d"), two) == cm.replicated(two)
+    assert sharded.predict(ParallelConfig("fully_sharded"), two) == cm.fully_sharded(two)
+    assert sharded.predict(ParallelConfig("fully_sharded", shard_fractions=(0.25, 0.75)), two) \
+        == cm.uneven_sharded(two, (0.25, 0.75))
+    diloco = STRATEGY_REGISTRY.get("diloco")
+    assert diloco.predict(ParallelConfig("diloco", outer_interval=32), two) == cm.outer_loop(two, 32)
+    assert diloco.changes_numbers(ParallelConfig("diloco"), two) and not c10d.changes_numbers(ParallelConfig("c10d"),
+                                                                                               two)
+    assert STRATEGY_REGISTRY.get("hybrid_sharded").cost_variants("hybrid_sharded", two) == []  # one rank a node
+    assert len(STRATEGY_REGISTRY.get("hybrid_sharded").cost_variants("hybrid_sharded", job(per_node=2))) == 1

@@ -1,0 +1,136 @@
+"""``hetfair-plan``: the model's costs counted by hand, the ranked table, one-line errors, and the printed
+per-node commands run as typed on two test hosts."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+from helpers import REPO_ROOT, TOY_PLUGIN
+from hetfair.cluster.description import load_cluster
+from hetfair.parallel.cost_model import ModelCost
+from hetfair.plan.cluster_plan import node_commands, predict_all
+from hetfair.plan.model_cost import measure_model_cost
+from hetfair_cli.plan import main as plan_main
+from multi_host import node_env, start_on
+from netns import SUBNET
+
+CLUSTERS = REPO_ROOT / "examples" / "clusters"
+TOY = ["--user-dir", str(TOY_PLUGIN), "--task", "toy", "--toy-train-size", "64", "--optimizer", "sgd", "--lr", "0.1",
+       "--max-update", "3", "--log-format", "none", "--disable-validation", "--distributed-timeout", "60"]
+
+
+class SquaredOutput(nn.Module):
+    """A criterion whose loss is the sum of the squared outputs (``pow`` saves its input: 5 values a sample)."""
+
+    def forward(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, int, dict]:
+        out = model(batch["x"])
+        return (out ** 2).sum(), len(batch["x"]), {}
+
+
+def test_the_model_cost_is_counted_as_by_hand() -> None:
+    """Linear(10, 20), ReLU, Linear(20, 5): forward 2*10*20 + 2*20*5 = 600 FLOPs a sample, backward 800 (both weight
+    gradients, the second layer's input gradient; none for the data); saved: the input (10 floats), the ReLU's
+    output (20, saved once though both the ReLU and the second layer keep it) and the output (5): 140 bytes."""
+    model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
+    cost = measure_model_cost(model, SquaredOutput(), lambda n: {"x": torch.randn(n, 10)}, [model[0]],
+                              lambda params: torch.optim.Adam(params))
+    assert (cost.parameters, cost.flops_per_sample, cost.activation_bytes) == (325, 1400.0, 140)
+    assert (cost.optimizer_ratio, cost.units, cost.largest_unit_bytes) == (2.0, 2, 4 * 220)
+    sent = {hook.name: hook.sent for hook in cost.hooks}
+    # PowerSGD at rank 2 compresses the 20x10 weight to (20 + 10) * 2 values; the 5x20 one would send 50 of 100,
+    # short of torch's 2x minimum rate, so it goes whole, as do the biases: (60 + 20 + 100 + 5) / 325
+    assert sent == {"none": 1.0, "bf16": 0.5, "fp16": 0.5, "powersgd": pytest.approx(185 / 325)}
+    assert all(p.grad is None for p in model.parameters())
+
+
+MODEL = ModelCost(parameters=25_000_000, flops_per_sample=6 * 25e6 * 128, activation_bytes=20_000_000,
+                  optimizer_ratio=2.0, units=8, largest_unit_bytes=12_000_000)
+
+
+def test_on_a_slow_network_the_outer_loop_leads_and_on_one_node_ddp_does(tmp_path: Path) -> None:
+    lab = predict_all(load_cluster(CLUSTERS / "lab.toml"), MODEL, 256)
+    assert lab[0].backend == "diloco" and lab[0].lossy  # 10 GbE against 100 MB of gradients on fast GPUs
+    exact = [p for p in lab if not p.lossy]
+    assert exact[0].backend == "c10d" and exact[0].split == "by speed"
+    one_node = tmp_path / "one.toml"
+    one_node.write_text('[[node]]\nname = "box"\ndevices = [{kind = "A100-80GB", count = 4}]\n')
+    ranked = predict_all(load_cluster(one_node), MODEL, 256)
+    assert ranked[0].mode_flags() == "--ddp-backend c10d"  # NVLink-less PCIe still carries 100 MB in ~15 ms
+    assert {p.backend for p in ranked} == {"c10d", "fully_sharded"}  # no outer loop or hybrid on one node
+
+
+def test_a_mode_whose_state_does_not_fit_is_ranked_last_and_marked(tmp_path: Path) -> None:
+    small = tmp_path / "small.toml"
+    small.write_text('[network]\nbandwidth = "10Gbit/s"\n'
+                     '[[node]]\ndevices = [{kind = "measured", memory = "400M", fp32 = "10T"}]\n'
+                     '[[node]]\ndevices = [{kind = "measured", memory = "400M", fp32 = "10T"}]\n')
+    # 400M is 419 MB: replicated Adam state takes 400 MB, and a sample 20 MB more; sharded, 224 MB
+    ranked = predict_all(load_cluster(small), MODEL, 8)
+    unfit = {p.mode_flags() for p in ranked if not p.fits}
+    assert "--ddp-backend c10d" in unfit and "--ddp-backend fully_sharded" not in unfit
+    assert ranked[0].fits and not ranked[-1].fits
+
+
+def test_each_node_command_takes_its_devices_shares_and_precisions() -> None:
+    cluster = load_cluster(CLUSTERS / "lab.toml")
+    best = predict_all(cluster, MODEL, 256)[0]
+    commands = node_commands(best, cluster, "--task masked_lm")
+    assert len(commands) == 3
+    sizes = [int(size) for command in commands for size in re.search(r"--max-sentences (\S+)", command)[1].split(",")]
+    assert sum(sizes) * 1 == 256 and sizes == list(best.job.ranks[r].batch for r in range(8))
+    assert "--precision fp16,fp16" in commands[1]  # the V100s have no bf16
+    assert all(f"--distributed-rank {first}" in command for first, command in zip((0, 4, 6), commands))
+
+
+def test_hetfair_plan_prints_the_ranked_table_and_a_command_per_node(capsys) -> None:
+    code = plan_main(["--cluster", str(CLUSTERS / "two_cpu_nodes.toml"), *TOY, "--global-batch-size", "32"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert re.search(r"^plan \| 2 devices on 2 nodes, global batch 32, \d[\d,]* parameters", out, re.M)
+    assert re.search(r"^plan \| 1 +\| --ddp-backend ", out, re.M)
+    assert len(re.findall(r"^hetfair-train .*--distributed-rank [01]$", out, re.M)) in (2, 4)
+
+
+@pytest.mark.parametrize("text, words", [
+    ('[[node]]\ndevices = [{kind = "GTX9090"}]\n', r'node 1 \("node1"\) device 1: unknown device kind .GTX9090.: the catalogue knows GTX1080Ti, .*; for '
+     r'another device give measured numbers'),
+    ('[network]\nbandwidth = "-1Gbit/s"\n[[node]]\ndevices = [{kind = "T4"}]\n[[node]]\ndevices = [{kind = "T4"}]\n',
+     r"network: bandwidth: .*-1Gbit/s"),
+    ('[[node]]\nname = "empty"\ndevices = []\n', r'node 1 \("empty"\): devices must be a non-empty list'),
+])
+def test_a_bad_cluster_file_is_one_line(tmp_path: Path, capsys, text: str, words: str) -> None:
+    path = tmp_path / "cluster.toml"
+    path.write_text(text)
+    assert plan_main(["--cluster", str(path), *TOY, "--global-batch-size", "8"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and re.match(rf"hetfair-plan: error: {re.escape(str(path))}: {words}", err), err
+
+
+def test_the_batch_to_weigh_is_asked_for_in_one_line(capsys) -> None:
+    assert plan_main(["--cluster", str(CLUSTERS / "two_cpu_nodes.toml"), *TOY, "--max-sentences", "auto"]) == 2
+    assert capsys.readouterr().err == ("hetfair-plan: error: hetfair-plan needs the batch to weigh: give "
+                                       "--global-batch-size N (samples per update over the whole cluster)\n")
+
+
+def test_the_printed_commands_run_as_typed_on_two_hosts(make_network, tmp_path: Path, capsys) -> None:
+    """Both suggestions (the fastest, and the fastest exact one) train on hosts named as the cluster file names
+    its nodes."""
+    names = "".join(f"{SUBNET}.{index + 1} cpu{index}\n" for index in range(2))
+    network = make_network(2, etc={"hosts": f"127.0.0.1 localhost\n{names}", "resolv.conf": ""})
+    assert plan_main(["--cluster", str(CLUSTERS / "two_cpu_nodes.toml"), *TOY, "--global-batch-size", "32",
+                      "--save-dir", "ckpt"]) == 0
+    commands = re.findall(r"^hetfair-train (.*)$", capsys.readouterr().out, re.M)
+    assert len(commands) in (2, 4)
+    for pair in (commands[:2], commands[2:]):
+        procs = [start_on(network, index, shlex.split(command), tmp_path, node_env())
+                 for index, command in enumerate(pair)]
+        results = [(proc.communicate(timeout=240)[1], proc.returncode) for proc in procs]
+        assert [code for _err, code in results] == [0, 0], results
+        assert (tmp_path / "ckpt" / "checkpoint_last.pt").is_file()
+        (tmp_path / "ckpt" / "checkpoint_last.pt").unlink()
