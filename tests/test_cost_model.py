@@ -131,3 +131,15 @@ def test_each_strategy_names_its_own_formula() -> None:
                                                                                                two)
     assert STRATEGY_REGISTRY.get("hybrid_sharded").cost_variants("hybrid_sharded", two) == []  # one rank a node
     assert len(STRATEGY_REGISTRY.get("hybrid_sharded").cost_variants("hybrid_sharded", job(per_node=2))) == 1
+
+
+def test_with_accumulation_only_the_last_micro_batch_hides_the_all_reduce() -> None:
+    """Four micro-batches of the big model: 400 ms of compute, of which the last micro-batch's backward (67 ms)
+    overlaps the 4 s all-reduce; a sharded rank gathers its units for each micro-batch."""
+    big = cm.ModelCost(100_000_000, 1e9, 1_000_000, 2.0, 4, 1_000_000)
+    four = cm.Job(big, tuple(cm.Rank(node, 0.01, 10**9, None, 40) for node in range(2)), (INSIDE,) * 2, NETWORK,
+                  True, accumulation=4)
+    all_reduce = 16 * 2e-4 + 4e8 / 1e8
+    assert cm.replicated(four).seconds == pytest.approx(0.4 + max(all_reduce / 16, all_reduce - 2 / 3 * 0.1) + 2e-4)
+    gather = 4 * 1e-4 + 0.5 * 4e8 / 1e8
+    assert cm.fully_sharded(four).communication == pytest.approx(9 * gather + 2e-4)  # 2 gathers x 4, 1 scatter

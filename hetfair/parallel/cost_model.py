@@ -132,10 +132,9 @@ class Rank:
     step_overhead: float = 0.0
     """Seconds each update's step costs beyond its samples' (the framework, kernel launches)."""
 
-    @property
-    def forward_backward(self) -> float:
-        """Seconds of this rank's forward and backward passes in one update."""
-        return self.step_overhead + self.batch * self.seconds_per_sample
+    def forward_backward(self, accumulation: int = 1) -> float:
+        """Seconds of this rank's forward and backward passes in one update of ``accumulation`` micro-batches."""
+        return accumulation * self.step_overhead + self.batch * self.seconds_per_sample
 
 
 @dataclass(frozen=True)
@@ -150,6 +149,9 @@ class Job:
     """The slowest link between nodes (a ring over the nodes runs at its slowest hop)."""
     overlaps: bool
     """Collectives run beside the compute (GPUs); on CPUs (gloo) they share the processors: no overlap."""
+    accumulation: int = 1
+    """Micro-batches per update: all but the last skip the gradients' synchronisation (``no_sync``), so it
+    overlaps only the last one's backward; a sharded mode gathers its units for each of them."""
 
     @property
     def world(self) -> int:
@@ -205,11 +207,11 @@ class UpdateCost:
 def compute_seconds(job: Job, held_fraction: Sequence[float]) -> tuple[float, float]:
     """The slowest rank's (forward+backward, optimizer step) seconds, its optimizer stepping ``held_fraction[r]``
     of the parameters. The step is counted with the rank whose forward and backward end last."""
-    slowest = max(range(job.world), key=lambda r: job.ranks[r].forward_backward)
+    slowest = max(range(job.world), key=lambda r: job.ranks[r].forward_backward(job.accumulation))
     rank = job.ranks[slowest]
     step_bytes = (3 + 2 * job.model.optimizer_ratio) * job.model.parameter_bytes * held_fraction[slowest]
     step = step_bytes / rank.memory_bandwidth if rank.memory_bandwidth else 0.0
-    return rank.forward_backward, step
+    return rank.forward_backward(job.accumulation), step
 
 
 def exposed(job: Job, communication: float, overlappable: float, pieces: int) -> float:
@@ -260,7 +262,7 @@ def replicated(job: Job, sent_fraction: float = 1.0, zero: bool = False) -> Upda
     gradients = all_reduce(link, sent_fraction * size, world, buckets)
     held = [1 / world if zero else 1.0] * world
     forward_backward, step = compute_seconds(job, held)
-    hidden = exposed(job, gradients, (1 - FORWARD_SHARE) * forward_backward, buckets)
+    hidden = exposed(job, gradients, (1 - FORWARD_SHARE) * forward_backward / job.accumulation, buckets)
     gather = all_gather(link, size, world, buckets) if zero else 0.0
     sync = stats_sync(job)
     state = [size * (2 + model.optimizer_ratio * held[r]) for r in range(world)]
@@ -270,32 +272,35 @@ def replicated(job: Job, sent_fraction: float = 1.0, zero: bool = False) -> Upda
 
 
 def fully_sharded(job: Job) -> UpdateCost:
-    """``fully_sharded`` with equal shards (FSDP2): per unit an all-gather for the forward, another for the
-    backward and a reduce-scatter of the gradients; prefetching hides them behind the forward and the backward,
-    all but the first unit's."""
+    """``fully_sharded`` with equal shards (FSDP2): per unit and micro-batch an all-gather for the forward and
+    another for the backward, and per update a reduce-scatter of the gradients; prefetching hides them behind the
+    forward and the backward, all but the first unit's."""
     model, world = job.model, job.world
     units, size = model.units, model.parameter_bytes
-    link = job.ring_link()
+    link, micro = job.ring_link(), job.accumulation
     gather = all_gather(link, size, world, units)
     forward_backward, step = compute_seconds(job, [1 / world] * world)
     forward = FORWARD_SHARE * forward_backward
-    hidden = exposed(job, gather, forward, units) + exposed(job, 2 * gather, forward_backward - forward, units)
+    hidden = exposed(job, micro * gather, forward, micro * units) \
+        + exposed(job, (micro + 1) * gather, forward_backward - forward, micro * units)
     state = [size * (2 + model.optimizer_ratio) / world + 2 * model.largest_unit_bytes] * world
-    return UpdateCost(forward_backward + step, 3 * gather + stats_sync(job), hidden + stats_sync(job),
-                      _bytes(state), 3 * (world - 1) / world * size if job.nodes > 1 else 0.0)
+    return UpdateCost(forward_backward + step, (2 * micro + 1) * gather + stats_sync(job), hidden + stats_sync(job),
+                      _bytes(state), (2 * micro + 1) * (world - 1) / world * size if job.nodes > 1 else 0.0)
 
 
 def uneven_sharded(job: Job, fractions: Sequence[float]) -> UpdateCost:
     """``fully_sharded --shard-fractions`` (hetfair's uneven engine): rank ``r`` holds ``fractions[r]``; each unit's
-    all-gathers and reduce-scatter send every rank's segment padded to the largest share, synchronously."""
+    all-gathers (two per micro-batch) and reduce-scatter send every rank's segment padded to the largest share,
+    synchronously."""
     model, world = job.model, job.world
     size = model.parameter_bytes
     padded = max(fractions) * size
-    communication = 3 * send_to_all(job.ring_link(), padded, world, model.units) + stats_sync(job)
+    collectives = 2 * job.accumulation + 1
+    communication = collectives * send_to_all(job.ring_link(), padded, world, model.units) + stats_sync(job)
     forward_backward, step = compute_seconds(job, fractions)
     state = [size * (2 + model.optimizer_ratio) * f + 2 * model.largest_unit_bytes for f in fractions]
     return UpdateCost(forward_backward + step, communication, communication, _bytes(state),
-                      3 * (world - 1) * padded if job.nodes > 1 else 0.0)
+                      collectives * (world - 1) * padded if job.nodes > 1 else 0.0)
 
 
 def hybrid_sharded(job: Job) -> UpdateCost:
@@ -303,15 +308,16 @@ def hybrid_sharded(job: Job) -> UpdateCost:
     across the nodes, every rank of a node at once over the node's one network link; hidden as FSDP2's are."""
     model, size = job.model, job.model.parameter_bytes
     group, nodes = job.per_node, job.nodes
+    micro = job.accumulation
     inside = all_gather(job.intra_link(), size, group, model.units)
     across = all_reduce(job.network, size, nodes, model.units)  # G shards of size / G share the node's link
     forward_backward, step = compute_seconds(job, [1 / group] * job.world)
     forward = FORWARD_SHARE * forward_backward
-    backward = exposed(job, 2 * inside + across, forward_backward - forward, model.units)
-    hidden = exposed(job, inside, forward, model.units) + backward + stats_sync(job)
+    backward = exposed(job, (micro + 1) * inside + across, forward_backward - forward, micro * model.units)
+    hidden = exposed(job, micro * inside, forward, micro * model.units) + backward + stats_sync(job)
     state = [size * (2 + model.optimizer_ratio) / group + 2 * model.largest_unit_bytes] * job.world
-    return UpdateCost(forward_backward + step, 3 * inside + across + stats_sync(job), hidden, _bytes(state),
-                      2 * (nodes - 1) / nodes * size / group)
+    return UpdateCost(forward_backward + step, (2 * micro + 1) * inside + across + stats_sync(job), hidden,
+                      _bytes(state), 2 * (nodes - 1) / nodes * size / group)
 
 
 def outer_loop(job: Job, interval: int, dtype: str = "fp32", fragments: int = 1, overlap: bool = False,
@@ -333,7 +339,7 @@ def outer_loop(job: Job, interval: int, dtype: str = "fp32", fragments: int = 1,
     buckets = ddp_buckets(size)
     inside = all_reduce(job.intra_link(), size, group, buckets)
     forward_backward, step = compute_seconds(job, [1.0] * world)
-    inner = exposed(job, inside, (1 - FORWARD_SHARE) * forward_backward, buckets) + stats_sync(job)
+    inner = exposed(job, inside, (1 - FORWARD_SHARE) * forward_backward / job.accumulation, buckets) + stats_sync(job)
     round_compute = interval * (forward_backward + step + inner)
     waited = max(0.0, exchange - round_compute) if overlap else exchange
     copies = 2 + model.optimizer_ratio + outer_copies + (1 if dtype != "fp32" else 0)
