@@ -71,6 +71,9 @@ def test_budgets_give_their_own_micro_batches_and_train_as_the_hand_written_comm
     assert [row["precision"] for row in rows] == ["fp32", "fp32"]  # --precision auto on CPU
     assert all(row["why"].startswith("probed: ") for row in rows)
     assert plan_line(auto.stderr, "plan | --ddp-backend ").startswith("plan | --ddp-backend c10d: every rank holds")
+    rate = r"[\d,]+\.\d samples/s \(efficiency \d\.\d\d\)"
+    assert re.fullmatch(rf"plan \| predicted \(1 sample a rank per update, on the measured devices and link\): "
+                        rf"c10d {rate}; runner-up fully_sharded {rate}", plan_line(auto.stderr, "plan | predicted "))
     hand_dir = tmp_path / "hand"
     hand = hetfair_train(tmp_path, *sim_flags(hand_dir, "--max-sentences", f"{small},{large}",
                                               "--distributed-world-size", "2", "--max-update", str(UPDATES)))
@@ -112,6 +115,7 @@ def test_auto_backend_shards_a_model_whose_state_fits_no_rank(tmp_path):
     assert plan_line(result.stderr, "plan | --ddp-backend ").startswith(
         "plan | --ddp-backend fully_sharded: rank(s) 0, 1 cannot hold the model's state")
     assert [row["shard"] for row in plan_rows(result.stderr)] == ["0.50", "0.50"]
+    assert "plan | predicted" not in result.stderr  # no choice to rank: only sharding fits
     assert "num_updates 1" in result.stderr  # trained on the sharded backend
     # sharded already and still short of one sample: the error no longer offers sharding
     sharded = hetfair_train(tmp_path, *flags, "--memory-budget", "450M", "--ddp-backend", "auto")

@@ -7,7 +7,9 @@ it reads is the same on every rank), and the run logs it in one ``comm |`` line.
 
 The rule: the exact fp32 all-reduce of ``B`` bytes takes ``t`` (measured); a hook
 that sends ``b`` bytes (its declared cost ``b / B``, :meth:`CommHook.sent_fraction`)
-is predicted to take ``t * b / B`` (bandwidth-bound links: latency ignored). The run is
+is predicted to take ``t * b / B``: the cost model's ring all-reduce
+(:mod:`hetfair.parallel.cost_model`) over the link the measurement gives, latency ignored
+(bandwidth-bound links). The run is
 *bandwidth-bound* when its ranks sit on more than one node (:mod:`hetfair.parallel.nodes`: their
 traffic crosses a network link) and ``t`` is at least :data:`BOUND_RATIO` of the compute time of an update (the slowest rank's):
 DDP overlaps the all-reduce with the backward pass, about that share of the compute,
@@ -33,7 +35,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Optional, Protocol
 
-from hetfair.parallel.outer_exchange import bytes_sent
+from hetfair.cluster.description import Link
+from hetfair.parallel.cost_model import all_reduce, send_to_all
+from hetfair.parallel.outer_exchange import payload_bytes
 
 BOUND_RATIO = 0.5
 """Bandwidth-bound: the exact all-reduce takes at least this share of an update's compute time."""
@@ -93,17 +97,27 @@ class LinkMeasurement:
         """Bytes per second: gradient bytes over the all-reduce's time."""
         return self.gradient_bytes / max(self.all_reduce_seconds, 1e-9)
 
-    def outer_seconds(self, dtype: str) -> float:
-        """Seconds of one outer-loop exchange of every parameter in ``dtype``: the bytes each rank sends
-        (:func:`hetfair.parallel.outer_exchange.bytes_sent`) at the rate each rank sent during the measured
-        all-reduce (a ring's ``2 (w - 1) / w`` of the buffer)."""
+    @property
+    def link(self) -> Link:
+        """The link as the cost model (:mod:`hetfair.parallel.cost_model`) sees it: the bandwidth at which each rank
+        sent its ring's ``2 (w - 1) / w`` of the buffer in the measured all-reduce; latency ignored (the advice is
+        for bandwidth-bound runs)."""
         world = self.world_size
-        sent_per_second = 2 * (world - 1) / world * self.gradient_bytes / max(self.all_reduce_seconds, 1e-9)
-        return bytes_sent(self.parameters, dtype, world) / sent_per_second
+        return Link(2 * (world - 1) / world * self.bandwidth, 0.0)
+
+    def outer_seconds(self, dtype: str) -> float:
+        """Seconds of one outer-loop exchange of every parameter in ``dtype`` over :attr:`link`: the cost model's
+        ring all-reduce in fp32, else each rank's packed bytes to every other
+        (:func:`hetfair.parallel.outer_exchange.bytes_sent`)."""
+        if dtype == "fp32":
+            return all_reduce(self.link, 4 * self.parameters, self.world_size)
+        return send_to_all(self.link, payload_bytes(self.parameters, dtype), self.world_size)
 
     def predicted_seconds(self, mode: str) -> float:
-        """Seconds of one update's gradient communication in ``mode`` (bandwidth scaling, see the module)."""
-        return self.all_reduce_seconds * next(hook.sent for hook in self.hooks if hook.name == mode)
+        """Seconds of one update's gradient communication in ``mode``: the cost model's all-reduce of the bytes the
+        hook sends over :attr:`link` (so the measured time scaled by the hook's share, see the module)."""
+        sent = next(hook.sent for hook in self.hooks if hook.name == mode)
+        return all_reduce(self.link, sent * self.gradient_bytes, self.world_size)
 
     def is_lossy(self, mode: str) -> bool:
         return any(hook.lossy for hook in self.hooks if hook.name == mode)

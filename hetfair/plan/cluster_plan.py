@@ -13,14 +13,14 @@ Scaling efficiency is the predicted rate over the sum of each device's rate trai
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Sequence
 
 from hetfair.cluster.description import Cluster, Device
 from hetfair.data.batch_plan import split_counts
 from hetfair.errors import HetfairError
 from hetfair.memory.sizes import format_size
-from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig
+from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig, Strategy
 from hetfair.parallel.cost_model import Job, ModelCost, Rank, UpdateCost, compute_seconds, memory_fit
 
 DEFAULT_EFFICIENCY = 0.4
@@ -131,11 +131,22 @@ def predict_all(cluster: Cluster, model: ModelCost, global_batch: int,
         alone = alone_rate(job)
         for backend, strategy in _strategies().items():
             for config in strategy.cost_variants(backend, job):
-                cost = strategy.predict(config, job)
-                micro, peaks = memory_fit(job, cost.state_memory)
-                predictions.append(Prediction(backend, config, how, job, cost, micro, peaks,
-                                              strategy.changes_numbers(config, job), alone))
+                predictions.append(predict(backend, strategy, config, job, how, alone))
     return sorted(predictions, key=lambda p: (not p.fits, -p.samples_per_second, p.lossy))
+
+
+def predict(backend: str, strategy: type[Strategy], config: ParallelConfig, job: Job, split_name: str,
+            alone: float) -> Prediction:
+    """One mode's prediction; where a rank's batch does not fit its memory in one micro-batch, the update takes as
+    many micro-batches as the tightest rank needs (:attr:`Job.accumulation`)."""
+    cost = strategy.predict(config, job)
+    micro, peaks = memory_fit(job, cost.state_memory)
+    steps = max(-(-rank.batch // size) for rank, size in zip(job.ranks, micro)) if all(micro) else 1
+    if steps > 1:
+        job = replace(job, accumulation=steps)
+        cost = strategy.predict(config, job)
+    return Prediction(backend, config, split_name, job, cost, micro, peaks, strategy.changes_numbers(config, job),
+                      alone)
 
 
 def table(predictions: Sequence[Prediction], rows: int) -> list[str]:
@@ -172,7 +183,7 @@ def node_commands(prediction: Prediction, cluster: Cluster, train_flags: str, po
     return commands
 
 
-def _strategies() -> dict[str, type]:
+def _strategies() -> dict[str, type[Strategy]]:
     """Every registered strategy that loads, by name."""
     loaded = {}
     for name in STRATEGY_REGISTRY.names():

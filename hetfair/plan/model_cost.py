@@ -11,6 +11,7 @@ not grow with the batch cancels out. The state sizes are the automatic plan's
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any, Callable, Sequence
 
 import torch
@@ -20,20 +21,28 @@ from torch.utils.flop_counter import FlopCounterMode
 from hetfair.parallel.comm_hook import AUTO, hook_options, hooks_in_play
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.cost_model import HookVariant, ModelCost
+from hetfair.plan.probe import untouched
 from hetfair.plan.state import OptimizerFactory, StateSizes
+from hetfair.utils import move_to_device
 
 
 def measure_model_cost(model: nn.Module, criterion: nn.Module, batch_of: Callable[[int], dict[str, Any]],
                        units: Sequence[nn.Module], build_optimizer: OptimizerFactory) -> ModelCost:
     """``model``'s :class:`ModelCost`, from steps on ``batch_of(1)`` and ``batch_of(2)`` (on the model's device, fp32;
-    the gradients are dropped after)."""
+    the gradients, buffers and random generators are left as they were)."""
     one, two = _step_costs(model, criterion, batch_of(1)), _step_costs(model, criterion, batch_of(2))
+    return replace(state_cost(model, units, build_optimizer), flops_per_sample=max(two[0] - one[0], 1.0),
+                   activation_bytes=max(two[1] - one[1], 0))
+
+
+def state_cost(model: nn.Module, units: Sequence[nn.Module], build_optimizer: OptimizerFactory) -> ModelCost:
+    """``model``'s :class:`ModelCost` without running it: its state and hooks, one FLOP and no activation a sample
+    (for a plan that times the model instead, whose rates are then in samples per second)."""
     sizes = StateSizes.of(model, units, build_optimizer)
     trainable = [p for p in model.parameters() if p.requires_grad]
-    return ModelCost(parameters=sum(p.numel() for p in trainable), flops_per_sample=max(two[0] - one[0], 1.0),
-                     activation_bytes=max(two[1] - one[1], 0), optimizer_ratio=sizes.optimizer_ratio,
-                     units=len(units) + 1, largest_unit_bytes=sizes.largest_unit,
-                     hooks=hook_variants(trainable))
+    return ModelCost(parameters=sum(p.numel() for p in trainable), flops_per_sample=1.0, activation_bytes=0,
+                     optimizer_ratio=sizes.optimizer_ratio, units=len(units) + 1,
+                     largest_unit_bytes=sizes.largest_unit, hooks=hook_variants(trainable))
 
 
 def hook_variants(params: Sequence[nn.Parameter]) -> tuple[HookVariant, ...]:
@@ -60,8 +69,10 @@ def _step_costs(model: nn.Module, criterion: nn.Module, batch: dict[str, Any]) -
         return tensor
 
     counter = FlopCounterMode(display=False)
+    device = next(model.parameters()).device
+    batch = move_to_device(batch, device)
     try:
-        with counter:
+        with untouched(model, device), counter:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 loss, _size, _logs = criterion(model, batch)
             loss.backward()

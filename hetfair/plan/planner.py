@@ -24,10 +24,14 @@ from hetfair.errors import ConfigError, JobWideError
 from hetfair.memory.budget import device_budget, fractions_from_budgets
 from hetfair.memory.peak import current_bytes
 from hetfair.memory.sizes import format_size
-from hetfair.parallel import STRATEGY_REGISTRY, plan_candidate
+from hetfair.parallel import PLAN_ROLES, STRATEGY_REGISTRY, plan_candidate
 from hetfair.parallel.collectives import all_gather_json
 from hetfair.parallel.context import DistributedContext
 from hetfair.plan import AUTO
+from hetfair.parallel.nodes import node_identity
+from hetfair.plan.measure import step_seconds
+from hetfair.plan.model_cost import state_cost
+from hetfair.plan.predicted import Predicted, measured_cluster, predict_candidates, time_link
 from hetfair.plan.probe import SAFETY_MARGIN, MicroBatchProbe, ProbeResult
 from hetfair.plan.state import OptimizerFactory, StateSizes
 
@@ -68,6 +72,8 @@ class JobPlan:
     fractions: Optional[tuple[float, ...]]
     automatic: bool
     """Whether any rank asked for something ``auto`` (then the plan is shown)."""
+    predicted: tuple[Predicted, ...] = ()
+    """``--ddp-backend auto``'s candidates with their predicted rates, fastest first (where it had a choice)."""
 
     def lines(self, caps: Sequence[int], shares: Sequence[float]) -> list[str]:
         """The ``plan |`` table: a header, a row per rank (its micro-batch ``caps[r]``, share of the global batch
@@ -83,6 +89,11 @@ class JobPlan:
         table = ["plan | " + " | ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
                  for row in rows]
         table.append(f"plan | --ddp-backend {self.backend}: {self.backend_why}")
+        if self.predicted:
+            chosen, *others = sorted(self.predicted, key=lambda p: p.backend != self.backend)
+            per_rank = f"{chosen.batches} sample{'' if chosen.batches == '1' else 's'} a rank per update"
+            table.append(f"plan | predicted ({per_rank}, on the measured devices and link): {chosen.words()}"
+                         + "".join(f"; runner-up {other.words()}" for other in others[:1]))
         probed = [row for row in self.ranks if row.probed is not None]
         if probed:
             slowest = max(probed, key=lambda row: row.probe_seconds)
@@ -131,6 +142,10 @@ class Planner:
         self.auto_sizes = [dest for dest in SIZE_FLAGS if getattr(config.data, dest) == AUTO]
         self.auto_backend = config.parallel.ddp_backend == AUTO
         self.budget = config.memory.budget or _device_budget(context.device)
+        self.criterion = criterion
+        self.batch_of = batch_of
+        self.units = units
+        self.build_optimizer = build_optimizer
         self._check_auto_sizes()
         self.probing = plan_probes(config, context.world_size)
         self.probe = MicroBatchProbe(model, criterion, batch_of, context.device, config.precision.precision,
@@ -145,7 +160,9 @@ class Planner:
         try:
             facts = all_gather_json(self.context, {"budget": self.budget, "fits": self._fits_replicated(),
                                                    "auto": bool(self.auto_sizes) or self.auto_backend})
-            backend, why, fractions = self._backend([f["budget"] for f in facts], [f["fits"] for f in facts])
+            predicted = self._predicted([f["budget"] for f in facts], [f["fits"] for f in facts])
+            backend, why, fractions = self._backend([f["budget"] for f in facts], [f["fits"] for f in facts],
+                                                    predicted)
             rows = [RankPlan(**row) for row in all_gather_json(self.context, asdict(self._own_row(backend, fractions)))]
         finally:
             self.model.to(home)  # a sharded strategy shards it before it moves to the device
@@ -153,7 +170,7 @@ class Planner:
                 torch.cuda.empty_cache()
         shards = STRATEGY_REGISTRY.get(backend).plan_role == "sharded"
         _refuse_too_small(rows, can_shard=self.context.world_size > 1 and not shards)
-        plan = JobPlan(rows, backend, why, fractions, any(f["auto"] for f in facts))
+        plan = JobPlan(rows, backend, why, fractions, any(f["auto"] for f in facts), tuple(predicted))
         return plan, self._resolved(plan)
 
     # -- the backend -------------------------------------------------------------------
@@ -164,8 +181,40 @@ class Planner:
         assert self.sizes is not None
         return self.probe.fits(self._given_capacity() or 1, self.sizes.reserve(None))[0]
 
-    def _backend(self, budgets: list[Optional[int]], fits: list[bool]) -> tuple[str, str, Optional[tuple[float, ...]]]:
-        """The backend, why, and the shard fractions (by budget when every rank has one)."""
+    def _predicted(self, budgets: list[Optional[int]], fits: list[bool]) -> list[Predicted]:
+        """Where ``--ddp-backend auto`` has a choice (several ranks, each holding the replicated state and a
+        micro-batch), every candidate's predicted rate on the measured devices and link, fastest first
+        (:mod:`hetfair.plan.predicted`; collectives); else none."""
+        if not (self.auto_backend and self.context.world_size > 1 and all(fits)):
+            return []
+        batch = self._given_capacity() or 1
+        device, precision = self.context.device, self.config.precision.precision
+        cost = state_cost(self.model, self.units, self.build_optimizer)  # rates in samples/s: no FLOPs needed
+        per_sample, overhead = self._step_costs(batch)
+        own = {"node": node_identity(), "device": device.type, "memory": self.budget or _device_memory(device),
+               "precision": precision, "seconds_per_sample": per_sample, "step_overhead": overhead,
+               "flops_per_sample": cost.flops_per_sample, "batch": batch}
+        facts = all_gather_json(self.context, own)
+        cluster = measured_cluster(facts, time_link(self.context, cost.parameter_bytes))
+        candidates = [plan_candidate(role) for role in PLAN_ROLES]
+        return predict_candidates(cluster, cost, [fact["batch"] for fact in facts], candidates,
+                                  _fractions_by_budget(budgets))
+
+    def _step_costs(self, batch: int) -> tuple[float, float]:
+        """Seconds per sample and per update beyond them, from timed steps of ``batch`` and half as many samples
+        (each fits: ``batch`` did); of one sample, all of it per sample."""
+        device, precision = self.context.device, self.config.precision.precision
+        timed = [step_seconds(self.model, self.criterion, self.batch_of(n), device, precision)
+                 for n in sorted({max(1, batch // 2), batch})]
+        if len(timed) == 1:
+            return timed[0], 0.0
+        per_sample = max(timed[1] - timed[0], 1e-9) / (batch - batch // 2)
+        return per_sample, max(0.0, timed[0] - batch // 2 * per_sample)
+
+    def _backend(self, budgets: list[Optional[int]], fits: list[bool], predicted: Sequence[Predicted]
+                 ) -> tuple[str, str, Optional[tuple[float, ...]]]:
+        """The backend, why, and the shard fractions (by budget when every rank has one): the fastest ``predicted``
+        where there are predictions, else by memory."""
         if not self.auto_backend:
             backend, given = self.config.parallel.ddp_backend, self.config.parallel.shard_fractions
             if STRATEGY_REGISTRY.get(backend).takes_shard_fractions and given is None:
@@ -175,9 +224,13 @@ class Planner:
             return plan_candidate("replicated"), "one process, nothing to shard over", None
         assert self.sizes is not None
         state = format_size(self.sizes.replicated())
+        holds = (f"every rank holds the model's state ({state}: parameters, gradients, optimizer state) and a "
+                 f"micro-batch")
+        if predicted and predicted[0].backend != plan_candidate("replicated"):
+            fractions = _fractions_by_budget(budgets)
+            return predicted[0].backend, f"{holds}, but sharding is predicted faster", fractions
         if all(fits):
-            return plan_candidate("replicated"), (f"every rank holds the model's state ({state}: parameters, "
-                                                  f"gradients, optimizer state) and a micro-batch: replicated"), None
+            return plan_candidate("replicated"), f"{holds}: replicated", None
         short = ", ".join(str(rank) for rank, fit in enumerate(fits) if not fit)
         fractions = _fractions_by_budget(budgets)
         split = "by memory budget" if fractions else "equally (not every rank has a budget)"

@@ -27,8 +27,9 @@ import ctypes.util
 import gc
 import math
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 import torch
@@ -95,8 +96,7 @@ class MicroBatchProbe:
     def fits(self, samples: int, reserve: int) -> tuple[bool, int]:
         """Whether one training step of ``samples`` fits with ``reserve`` more bytes held; and its peak plus reserve."""
         self.steps += 1
-        with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []), \
-                _KeptBuffers(self.model):
+        with untouched(self.model, self.device):
             batch = move_to_device(self.batch_of(samples), self.device)
             _trim_heap(self.device)
             reset_peak(self.device)
@@ -204,6 +204,13 @@ class BatchSearch:
         if p1 <= p0:
             return None  # no growth measured (the resident set grows by pages): nothing to extrapolate
         return n0 + (self.budget - p0) * (n1 - n0) / (p1 - p0)
+
+
+@contextmanager
+def untouched(model: nn.Module, device: torch.device) -> Iterator[None]:
+    """Trial steps inside leave the random generators (``device``'s too) and ``model``'s buffers as they were."""
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), _KeptBuffers(model):
+        yield
 
 
 class _KeptBuffers:

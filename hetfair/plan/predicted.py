@@ -1,0 +1,100 @@
+"""``--ddp-backend auto``'s candidates ranked by the cost model on the job's own measured devices and link.
+
+Every rank times the model on its device (:func:`hetfair.plan.measure.step_costs`: seconds per
+sample and per update, in its precision) and says which node it is on; one all-reduce of the
+gradients' size over every rank, timed, gives the link the job's collectives cross (its bandwidth;
+its latency from a one-number all-reduce). From those the job becomes a
+:class:`~hetfair.cluster.description.Cluster` of measured devices, and each candidate strategy
+predicts its update (:meth:`~hetfair.parallel.Strategy.predict`). The ``plan |`` table shows the rate
+of the chosen mode and of the runner-up.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hetfair.cluster.description import DEFAULT_INTRA_NODE, Cluster, Device, Link, Node
+from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig
+from hetfair.parallel.collectives import comm_device
+from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.cost_model import ModelCost
+from hetfair.plan.cluster_plan import alone_rate, build_job, predict
+
+
+@dataclass(frozen=True)
+class Predicted:
+    """One candidate's predicted rate (plain data: the plan keeps it)."""
+
+    backend: str
+    samples_per_second: float
+    efficiency: float
+    fits: bool
+    batches: str
+    """The samples per rank it was predicted at (``4`` where alike, else ``4,8``)."""
+
+    def words(self) -> str:
+        return f"{self.backend} {self.samples_per_second:,.1f} samples/s (efficiency {self.efficiency:.2f})"
+
+
+def time_link(context: DistributedContext, size: int) -> Link:
+    """The link an all-reduce over every rank crosses: bandwidth from a timed all-reduce of ``size`` bytes, latency
+    from a timed one-number all-reduce (each the slowest rank's; a collective)."""
+    small, large = (_timed_all_reduce(context, numbers) for numbers in (1, max(1, size // 4)))
+    world = context.world_size
+    ring = 2 * (world - 1)
+    latency = small / ring
+    return Link(ring / world * size / max(large - small, 1e-9), latency)
+
+
+def _timed_all_reduce(context: DistributedContext, numbers: int) -> float:
+    device = comm_device(context)
+    dist.all_reduce(torch.zeros(1, device=device))  # the ranks line up first
+    buffer = torch.zeros(numbers, device=device)
+    _synchronize(device)
+    start = time.perf_counter()
+    dist.all_reduce(buffer)
+    _synchronize(device)
+    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    return float(seconds.item())
+
+
+def measured_cluster(facts: Sequence[dict[str, Any]], link: Link) -> Cluster:
+    """The job as a cluster: a node per distinct ``node`` fact, each rank a measured device (its ``device``,
+    ``memory``, ``precision``, ``seconds_per_sample``, ``step_overhead``), ``link`` between the nodes."""
+    nodes: dict[str, list[Device]] = {}
+    for fact in facts:
+        kind = "cpu" if fact["device"] == "cpu" else fact["device"]
+        rate = fact["flops_per_sample"] / max(fact["seconds_per_sample"], 1e-12)
+        nodes.setdefault(fact["node"], []).append(Device(kind, int(fact["memory"]), {fact["precision"]: rate}, None,
+                                                         True, fact["step_overhead"]))
+    intra = link if len(nodes) == 1 else DEFAULT_INTRA_NODE
+    return Cluster(tuple(Node(f"node{index}", tuple(devices), intra) for index, devices in enumerate(nodes.values())),
+                   link)
+
+
+def predict_candidates(cluster: Cluster, model: ModelCost, batches: Sequence[int], candidates: Sequence[str],
+                       fractions: Optional[tuple[float, ...]]) -> list[Predicted]:
+    """Each candidate backend's update at its plain settings (a sharded one at ``fractions``), fastest first."""
+    job = build_job(cluster, model, batches, efficiency=1.0)
+    alone = alone_rate(job)
+    predicted = []
+    for backend in candidates:
+        strategy = STRATEGY_REGISTRY.get(backend)
+        config = ParallelConfig(backend, shard_fractions=fractions if strategy.takes_shard_fractions else None)
+        prediction = predict(backend, strategy, config, job, "as planned", alone)
+        shown = ",".join(sorted({str(b) for b in batches}, key=int)) if len(set(batches)) == 1 else \
+            ",".join(map(str, batches))
+        predicted.append(Predicted(backend, prediction.samples_per_second, prediction.efficiency, prediction.fits,
+                                   shown))
+    return sorted(predicted, key=lambda p: -p.samples_per_second)
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
