@@ -46,7 +46,8 @@ def plan_command(argv: list[str]) -> int:
         return 0
     own, rest = plan_parser().parse_known_args(argv)
     _check_own(own)
-    args = parse_train_args(rest)
+    sized = any(arg.split("=", 1)[0] in ("--max-sentences", "--max-tokens") for arg in rest)
+    args = parse_train_args(rest if sized else [*rest, "--max-sentences", "1"])  # the plan sets each node's
     from hetfair.cluster.description import load_cluster
     from hetfair.plan.cluster_plan import DEFAULT_EFFICIENCY, node_commands, predict_all, table
     from hetfair.run.wiring import RunWiring
@@ -66,9 +67,9 @@ def plan_command(argv: list[str]) -> int:
     batch = _global_batch(args, cluster.world_size)
     predictions = predict_all(cluster, cost, batch, own.efficiency or DEFAULT_EFFICIENCY)
     fitting = [p for p in predictions if p.fits]
-    print(f"plan | {cluster.world_size} devices on {len(cluster.nodes)} nodes, global batch {batch}, "
-          f"{cost.parameters:,} parameters, {cost.flops_per_sample / 1e9:.3g} GFLOP per sample (forward and "
-          f"backward)")
+    print(f"plan | {_count(cluster.world_size, 'device')} on {_count(len(cluster.nodes), 'node')}, "
+          f"global batch {batch}, {cost.parameters:,} parameters, {cost.flops_per_sample / 1e9:.3g} GFLOP per sample "
+          f"(forward and backward)")
     print("\n".join("plan | " + line for line in table(predictions, own.rows)))
     if not fitting:
         raise ConfigError(f"no mode fits the cluster's memory with a global batch of {batch}: give a smaller "
@@ -84,6 +85,10 @@ def plan_command(argv: list[str]) -> int:
               f"samples/s (efficiency {exact.efficiency:.2f}):")
         print("\n".join(node_commands(exact, cluster, flags)))
     return 0
+
+
+def _count(number: int, thing: str) -> str:
+    return f"{number} {thing}{'' if number == 1 else 's'}"
 
 
 def _check_own(own: argparse.Namespace) -> None:

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
-from helpers import REPO_ROOT, TOY_PLUGIN
+from helpers import REPO_ROOT, TOY_PLUGIN, subprocess_env
 from hetfair.cluster.description import load_cluster
 from hetfair.parallel.cost_model import ModelCost
 from hetfair.plan.cluster_plan import node_commands, predict_all
@@ -98,8 +100,9 @@ def test_hetfair_plan_prints_the_ranked_table_and_a_command_per_node(capsys) -> 
 
 
 @pytest.mark.parametrize("text, words", [
-    ('[[node]]\ndevices = [{kind = "GTX9090"}]\n', r'node 1 \("node1"\) device 1: unknown device kind .GTX9090.: the catalogue knows GTX1080Ti, .*; for '
-     r'another device give measured numbers'),
+    ('[[node]]\ndevices = [{kind = "GTX9090"}]\n',
+     r'node 1 \("node1"\) device 1: unknown device kind .GTX9090.: the catalogue knows GTX1080Ti, .*; for another '
+     r'device give measured numbers'),
     ('[network]\nbandwidth = "-1Gbit/s"\n[[node]]\ndevices = [{kind = "T4"}]\n[[node]]\ndevices = [{kind = "T4"}]\n',
      r"network: bandwidth: .*-1Gbit/s"),
     ('[[node]]\nname = "empty"\ndevices = []\n', r'node 1 \("empty"\): devices must be a non-empty list'),
@@ -134,3 +137,46 @@ def test_the_printed_commands_run_as_typed_on_two_hosts(make_network, tmp_path: 
         assert [code for _err, code in results] == [0, 0], results
         assert (tmp_path / "ckpt" / "checkpoint_last.pt").is_file()
         (tmp_path / "ckpt" / "checkpoint_last.pt").unlink()
+
+
+def test_auto_backend_ranks_its_candidates_on_measured_devices() -> None:
+    """--ddp-backend auto's ranking: a 20 MB model (one DDP bucket, which only arrives at the end of the backward)
+    computing 320 ms an update over 1 Gbit/s. On GPUs FSDP2's per-unit gathers hide behind the compute while DDP's one
+    bucket cannot (0.16 s shown against ~20 ms); on CPUs nothing overlaps, and the all-reduce's fewer bytes win."""
+    from hetfair.cluster.description import Link
+    from hetfair.plan.predicted import measured_cluster, predict_candidates
+
+    fact = {"memory": 4e10, "precision": "fp32", "seconds_per_sample": 0.01, "step_overhead": 0.0,
+            "flops_per_sample": 1e9, "batch": 32}
+    model = ModelCost(5_000_000, 1e9, 1_000_000, 2.0, 12, 2_000_000)
+    for device, first in (("cuda", "fully_sharded"), ("cpu", "c10d")):
+        cluster = measured_cluster([{**fact, "node": node, "device": device} for node in "ab"], Link(1.25e8, 5e-5))
+        ranked = predict_candidates(cluster, model, [32, 32], ["c10d", "fully_sharded"], None)
+        assert [p.backend for p in ranked][0] == first and all(p.fits for p in ranked)
+
+
+def test_the_will_it_scale_commands_run_as_typed_and_print_what_the_page_shows(tmp_path: Path) -> None:
+    """docs/will-it-scale.md's two hetfair-plan blocks, run by bash in a checkout (the repository's examples and
+    this test's virtual environment as .venv): the first prints exactly the page's table and commands (every number
+    follows from the model, the catalogue and the file), the second plans for this machine as one measured node."""
+    if not (Path(sys.prefix) / "bin" / "activate").is_file():
+        pytest.skip(f"the blocks activate .venv, and the tests run outside a virtual environment ({sys.prefix})")
+    (tmp_path / ".venv").symlink_to(sys.prefix)
+    (tmp_path / "examples").symlink_to(REPO_ROOT / "examples")
+    page = (REPO_ROOT / "docs" / "will-it-scale.md").read_text()
+    blocks = {block.split("\n", 1)[0]: block.split("```")[0] for block in page.split("```bash\n")[1:]}
+    lab = blocks["# plan a GPT for the lab cluster of examples/clusters/lab.toml"]
+    shown = next(block for block in page.split("```\n") if block.startswith("plan | 8 devices"))
+    printed = _bash(lab, tmp_path)
+    assert printed.split("\n", 1)[1] == shown  # after hetfair-preprocess's own line
+    measured = _bash(blocks["# plan for this machine's own devices, timed on the model"], tmp_path)
+    assert re.match(r"plan \| 1 device on 1 node, global batch 64, 3,704,320 parameters", measured)
+    assert re.search(r"^plan \| 1 \| --ddp-backend c10d +\| by speed \|", measured, re.M)
+
+
+def _bash(block: str, cwd: Path) -> str:
+    env = {name: value for name, value in subprocess_env().items() if name != "VIRTUAL_ENV"}
+    result = subprocess.run(["bash", "-e", "-c", block], cwd=cwd, env=env, capture_output=True, text=True,
+                            timeout=300)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return result.stdout

@@ -24,6 +24,7 @@ from hetfair.tasks import TASK_REGISTRY
 from hetfair_cli.export import build_parser as export_parser
 from hetfair_cli.generate import build_parser as generate_parser
 from hetfair_cli.lighthouse import build_parser as lighthouse_parser
+from hetfair_cli.plan import plan_parser
 from hetfair_cli.preprocess import build_parser as preprocess_parser
 from hetfair_cli.validate import build_parser as validate_parser
 
@@ -36,6 +37,7 @@ PARSERS: dict[str, Callable[[], argparse.ArgumentParser]] = {
     "hetfair-export": export_parser,
     "hetfair-generate": generate_parser,
     "hetfair-lighthouse": lighthouse_parser,
+    "hetfair-plan": plan_parser,
 }
 # Further sections of a console script whose flags depend on one of its own (``--task``).
 VARIANTS: dict[str, dict[str, Callable[[], argparse.ArgumentParser]]] = {
