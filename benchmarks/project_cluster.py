@@ -30,7 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 from hetfair.bert.masking import IGNORE_INDEX  # noqa: E402
-from hetfair.cluster.description import Cluster, Link, Node, load_cluster  # noqa: E402
+from hetfair.cluster.description import Cluster, Node, load_cluster  # noqa: E402
 from hetfair.criteria import CRITERION_REGISTRY  # noqa: E402
 from hetfair.models import MODEL_REGISTRY, resolve_arch  # noqa: E402
 from hetfair.parallel.cost_model import ModelCost  # noqa: E402

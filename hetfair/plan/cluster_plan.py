@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Sequence
 
-from hetfair.cluster.description import Cluster, Device
+from hetfair.cluster.description import Cluster, Device, Link
 from hetfair.data.batch_plan import split_counts
 from hetfair.errors import HetfairError
 from hetfair.memory.sizes import format_size
@@ -147,6 +147,17 @@ def predict(backend: str, strategy: type[Strategy], config: ParallelConfig, job:
         cost = strategy.predict(config, job)
     return Prediction(backend, config, split_name, job, cost, micro, peaks, strategy.changes_numbers(config, job),
                       alone)
+
+
+def links(cluster: Cluster) -> list[str]:
+    """The links the plan weighs, a line: the network between nodes (the slowest hop) and each node's own."""
+    inside = [f"inside {node.name} {_link(node.link)}" for node in cluster.nodes if len(node.devices) > 1]
+    between = [f"between nodes {_link(cluster.slowest_network_link())}"] if len(cluster.nodes) > 1 else []
+    return ["links: " + "; ".join(between + inside)] if between or inside else []
+
+
+def _link(link: Link) -> str:
+    return f"{link.bandwidth * 8 / 1e9:.3g} Gbit/s, {link.latency * 1e6:.3g} us"
 
 
 def table(predictions: Sequence[Prediction], rows: int) -> list[str]:

@@ -13,7 +13,7 @@ What the plan does with a strategy it is given is what the strategy declares, ne
 
 from __future__ import annotations
 
-import os
+import socket
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -29,7 +29,7 @@ from hetfair.parallel.collectives import all_gather_json
 from hetfair.parallel.context import DistributedContext
 from hetfair.plan import AUTO
 from hetfair.parallel.nodes import node_identity
-from hetfair.plan.measure import step_seconds
+from hetfair.plan.measure import device_memory, step_seconds
 from hetfair.plan.model_cost import state_cost
 from hetfair.plan.predicted import Predicted, measured_cluster, predict_candidates, time_link
 from hetfair.plan.probe import SAFETY_MARGIN, MicroBatchProbe, ProbeResult
@@ -191,7 +191,8 @@ class Planner:
         device, precision = self.context.device, self.config.precision.precision
         cost = state_cost(self.model, self.units, self.build_optimizer)  # rates in samples/s: no FLOPs needed
         per_sample, overhead = self._step_costs(batch)
-        own = {"node": node_identity(), "device": device.type, "memory": self.budget or _device_memory(device),
+        own = {"node": node_identity(), "host": socket.gethostname(), "device": device.type,
+               "memory": self.budget or device_memory(device),
                "precision": precision, "seconds_per_sample": per_sample, "step_overhead": overhead,
                "flops_per_sample": cost.flops_per_sample, "batch": batch}
         facts = all_gather_json(self.context, own)
@@ -240,7 +241,7 @@ class Planner:
     # -- this rank's micro-batch ---------------------------------------------------------
     def _own_row(self, backend: str, fractions: Optional[tuple[float, ...]]) -> RankPlan:
         device = self.context.device
-        common = {"device": _device_name(device), "memory": _device_memory(device), "budget": self.budget,
+        common = {"device": _device_name(device), "memory": device_memory(device), "budget": self.budget,
                   "precision": self.config.precision.precision}
         if not self.auto_sizes:
             given = ", ".join(f"--{dest.replace('_', '-')} {getattr(self.config.data, dest)}" for dest in SIZE_FLAGS
@@ -363,15 +364,6 @@ def _device_budget(device: torch.device) -> Optional[int]:
 
 def _device_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-def _device_memory(device: torch.device) -> Optional[int]:
-    if device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError):
-        return None
 
 
 def _size(size: Optional[int]) -> str:

@@ -18,7 +18,7 @@ from typing import Any, Optional, Sequence
 import torch
 import torch.distributed as dist
 
-from hetfair.cluster.description import DEFAULT_INTRA_NODE, Cluster, Device, Link, Node
+from hetfair.cluster.description import DEFAULT_INTRA_NODE, DEFAULT_NETWORK, Cluster, Device, Link, Node
 from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig
 from hetfair.parallel.collectives import comm_device
 from hetfair.parallel.context import DistributedContext
@@ -41,41 +41,50 @@ class Predicted:
         return f"{self.backend} {self.samples_per_second:,.1f} samples/s (efficiency {self.efficiency:.2f})"
 
 
-def time_link(context: DistributedContext, size: int) -> Link:
-    """The link an all-reduce over every rank crosses: bandwidth from a timed all-reduce of ``size`` bytes, latency
-    from a timed one-number all-reduce (each the slowest rank's; a collective)."""
-    small, large = (_timed_all_reduce(context, numbers) for numbers in (1, max(1, size // 4)))
-    world = context.world_size
+def time_link(context: DistributedContext, size: int, group: Optional[dist.ProcessGroup] = None,
+              world: Optional[int] = None) -> Link:
+    """The link an all-reduce over ``group`` (of ``world`` ranks; default every rank) crosses: its bandwidth from a
+    timed all-reduce of ``size`` bytes, its latency from a timed one-number all-reduce (each the slowest rank's;
+    a collective of the group)."""
+    small, large = (_timed_all_reduce(context, numbers, group) for numbers in (1, max(1, size // 4)))
+    world = world or context.world_size
     ring = 2 * (world - 1)
-    latency = small / ring
-    return Link(ring / world * size / max(large - small, 1e-9), latency)
+    return Link(ring / world * size / max(large - small, 1e-9), small / ring)
 
 
-def _timed_all_reduce(context: DistributedContext, numbers: int) -> float:
+def _timed_all_reduce(context: DistributedContext, numbers: int, group: Optional[dist.ProcessGroup]) -> float:
     device = comm_device(context)
-    dist.all_reduce(torch.zeros(1, device=device))  # the ranks line up first
+    dist.all_reduce(torch.zeros(1, device=device), group=group)  # the ranks line up first
     buffer = torch.zeros(numbers, device=device)
     _synchronize(device)
     start = time.perf_counter()
-    dist.all_reduce(buffer)
+    dist.all_reduce(buffer, group=group)
     _synchronize(device)
     seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
     return float(seconds.item())
 
 
-def measured_cluster(facts: Sequence[dict[str, Any]], link: Link) -> Cluster:
-    """The job as a cluster: a node per distinct ``node`` fact, each rank a measured device (its ``device``,
-    ``memory``, ``precision``, ``seconds_per_sample``, ``step_overhead``), ``link`` between the nodes."""
-    nodes: dict[str, list[Device]] = {}
+def measured_cluster(facts: Sequence[dict[str, Any]], network: Optional[Link],
+                     inside: Optional[Sequence[Optional[Link]]] = None) -> Cluster:
+    """The job as a cluster: a node per distinct ``node`` fact (named by its first rank's ``host``), each rank a
+    measured device (its ``device``: ``cpu`` or the GPU's name, ``memory``, ``precision``, ``seconds_per_sample``,
+    ``step_overhead``); ``network`` between the nodes, and inside node ``i`` ``inside[i]`` where timed, else on
+    one node the network's timing (the only link crossed), else the cluster file's default."""
+    nodes: dict[str, list[dict[str, Any]]] = {}
     for fact in facts:
-        kind = "cpu" if fact["device"] == "cpu" else fact["device"]
-        rate = fact["flops_per_sample"] / max(fact["seconds_per_sample"], 1e-12)
-        nodes.setdefault(fact["node"], []).append(Device(kind, int(fact["memory"]), {fact["precision"]: rate}, None,
-                                                         True, fact["step_overhead"]))
-    intra = link if len(nodes) == 1 else DEFAULT_INTRA_NODE
-    return Cluster(tuple(Node(f"node{index}", tuple(devices), intra) for index, devices in enumerate(nodes.values())),
-                   link)
+        nodes.setdefault(fact["node"], []).append(fact)
+    built = []
+    for index, members in enumerate(nodes.values()):
+        timed = inside[index] if inside and index < len(inside) else None
+        link = timed or (network if len(nodes) == 1 and network else DEFAULT_INTRA_NODE)
+        built.append(Node(members[0].get("host", f"node{index}"), tuple(map(_device, members)), link))
+    return Cluster(tuple(built), network or DEFAULT_NETWORK)
+
+
+def _device(fact: dict[str, Any]) -> Device:
+    rate = fact["flops_per_sample"] / max(fact["seconds_per_sample"], 1e-12)
+    return Device(fact["device"], int(fact["memory"]), {fact["precision"]: rate}, None, True, fact["step_overhead"])
 
 
 def predict_candidates(cluster: Cluster, model: ModelCost, batches: Sequence[int], candidates: Sequence[str],
