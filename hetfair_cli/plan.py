@@ -48,8 +48,7 @@ def plan_parser() -> argparse.ArgumentParser:
 
 def plan_command(argv: list[str]) -> int:
     if any(arg in ("-h", "--help") for arg in argv):
-        plan_parser().print_help()
-        return 0
+        plan_parser().parse_args(["--help"])  # prints, and exits 0 as argparse does
     own, rest = plan_parser().parse_known_args(argv)
     _check_own(own)
     sized = any(arg.split("=", 1)[0] in ("--max-sentences", "--max-tokens") for arg in rest)

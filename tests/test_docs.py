@@ -13,6 +13,7 @@ import pytest
 
 from helpers import REPO_ROOT
 from hetfair.options import build_parser
+from hetfair_cli.plan import main as plan_main
 from hetfair_cli.train import main as train_main
 from hetfair_cli.validate import main as validate_main
 
@@ -73,10 +74,11 @@ def option_paragraph(help_text: str, flag: str) -> str:
 
 
 def test_the_readme_names_only_flags_and_values_that_exist(capsys: pytest.CaptureFixture[str]) -> None:
-    """Every --flag of the README is one of hetfair-train's (with the MNIST plugin) or hetfair-validate's, and a
+    """Every --flag of the README is one of hetfair-train's (with the MNIST plugin), hetfair-validate's or
+    hetfair-plan's, and a
     flag that takes a name from a list (``one of:``, ``{a,b}``) is given one from it."""
     helps = (command_help(train_main, ["--user-dir", str(REPO_ROOT / "plugins"), "--task", "mnist"], capsys)
-             + command_help(validate_main, [], capsys))
+             + command_help(validate_main, [], capsys) + command_help(plan_main, [], capsys))
     readme = README.read_text()
     flags = set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", readme)) - OTHER_TOOLS_FLAGS
     assert sorted(flag for flag in flags if not re.search(rf"(?<![\w-]){flag}\b", helps)) == []
