@@ -181,3 +181,20 @@ def test_options_take_the_flags_a_plugin_strategy_declares(tmp_path, toys):
         parse_train_args(toy_train_args(tmp_path, None, ("--ddp-backend", "toy_whole", *given)))
     with pytest.raises(ConfigError, match="^--ddp-backend auto may choose fully_sharded: --find-unused-parameters"):
         parse_train_args(toy_train_args(tmp_path, None, ("--ddp-backend", "auto", "--find-unused-parameters")))
+
+
+def test_a_plugin_strategy_without_a_cost_formula_is_not_ranked(toys):
+    """hetfair-plan weighs only the modes that declare cost variants, and --ddp-backend auto, given a plugin
+    candidate without a formula, ranks nothing (it chooses by memory, as before the cost model)."""
+    from hetfair.cluster.description import Link
+    from hetfair.parallel.cost_model import ModelCost
+    from hetfair.plan.cluster_plan import predict_all
+    from hetfair.plan.predicted import measured_cluster, predict_candidates
+
+    fact = {"memory": 4e10, "precision": "fp32", "seconds_per_sample": 0.01, "step_overhead": 0.0,
+            "flops_per_sample": 1e9, "device": "cpu", "batch": 8}
+    cluster = measured_cluster([{**fact, "node": node} for node in "ab"], Link(1.25e8, 5e-5))
+    model = ModelCost(1_000_000, 1e9, 1_000, 2.0, 2, 1_000_000)
+    assert predict_candidates(cluster, model, [8, 8], ["toy_whole", "toy_fractions"], None) == []
+    assert predict_candidates(cluster, model, [8, 8], ["c10d", "fully_sharded"], None)  # the built-ins have one
+    assert {p.backend for p in predict_all(cluster, model, 16)} == {"c10d", "fully_sharded", "diloco"}

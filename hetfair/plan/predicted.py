@@ -89,14 +89,18 @@ def _device(fact: dict[str, Any]) -> Device:
 
 def predict_candidates(cluster: Cluster, model: ModelCost, batches: Sequence[int], candidates: Sequence[str],
                        fractions: Optional[tuple[float, ...]]) -> list[Predicted]:
-    """Each candidate backend's update at its plain settings (a sharded one at ``fractions``), fastest first."""
+    """Each candidate backend's update at its plain settings (a sharded one at ``fractions``), fastest first; none
+    where a candidate has no cost formula (a plugin strategy may not: the plan then chooses by memory alone)."""
     job = build_job(cluster, model, batches, efficiency=1.0)
     alone = alone_rate(job)
     predicted = []
     for backend in candidates:
         strategy = STRATEGY_REGISTRY.get(backend)
         config = ParallelConfig(backend, shard_fractions=fractions if strategy.takes_shard_fractions else None)
-        prediction = predict(backend, strategy, config, job, "as planned", alone)
+        try:
+            prediction = predict(backend, strategy, config, job, "as planned", alone)
+        except NotImplementedError:
+            return []
         shown = ",".join(sorted({str(b) for b in batches}, key=int)) if len(set(batches)) == 1 else \
             ",".join(map(str, batches))
         predicted.append(Predicted(backend, prediction.samples_per_second, prediction.efficiency, prediction.fits,
