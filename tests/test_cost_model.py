@@ -9,6 +9,7 @@ bandwidth given), on two nodes joined by 100 MB/s with 0.1 ms latency; inside a 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 
@@ -60,34 +61,42 @@ def test_on_gpus_ddp_hides_its_buckets_behind_the_backward_but_never_the_last() 
     assert cm.replicated(big).exposed == pytest.approx(max(all_reduce / 16, all_reduce - 2 / 3 * 0.1) + 2e-4)
 
 
-def test_zero_1_steps_a_shard_and_gathers_the_parameters_after_the_step() -> None:
+def test_zero_1_steps_a_shard_and_broadcasts_it_after_the_step() -> None:
     cost = cm.replicated(job(), zero=True)
-    gather = 1e-4 + 0.5 * 4e6 / 1e8
-    assert cost.seconds == pytest.approx(0.1 + 2e-4 + 0.04 + gather + 2e-4)
+    broadcasts = 1e-4 + 0.5 * 4e6 / 1e8  # (W - 1) shard-times of a 2 MB shard
+    assert cost.seconds == pytest.approx(0.1 + 2e-4 + 0.04 + broadcasts + 2e-4)
     assert cost.state_memory == (12_000_000, 12_000_000)  # Adam's state halved: 4 + 4 + 8 / 2 MB
+    one_big = cm.replicated(job(model=replace(MODEL, largest_parameter_bytes=3_600_000)), zero=True)
+    assert one_big.seconds == pytest.approx(0.1 + 2e-4 + 0.04 + 1e-4 + 3.6e6 / 1e8 + 2e-4)  # whole parameters
 
 
 def test_fully_sharded_gathers_twice_and_reduce_scatters_once_per_unit() -> None:
     cost = cm.fully_sharded(job())
     gather = 4 * 1e-4 + 0.5 * 4e6 / 1e8
-    assert cost.seconds == pytest.approx(0.1 + 3 * gather + 2e-4)
-    assert cost.network_bytes == pytest.approx(3 * 0.5 * 4e6)
+    all_reduce = 4 * 2 * 1e-4 + 4e6 / 1e8  # gloo's reduce-scatter is an all-reduce of the whole input
+    assert cost.seconds == pytest.approx(0.1 + 2 * gather + all_reduce + 2e-4)
+    assert cost.network_bytes == pytest.approx((2 * 0.5 + 1) * 4e6)
+    on_gpus = cm.fully_sharded(job(overlaps=True))  # a ring's reduce-scatter; all but the first unit's hidden
+    assert on_gpus.communication == pytest.approx(3 * gather + 2e-4)
+    assert on_gpus.exposed == pytest.approx(gather / 4 + 2 * gather / 4 + 2e-4)
     assert cost.state_memory == (10_000_000, 10_000_000)  # half of 16 MB, and the 1 MB unit (and its gradients) whole
 
 
 def test_uneven_shards_send_every_segment_padded_to_the_largest() -> None:
     cost = cm.uneven_sharded(job(), (0.25, 0.75))
-    per_unit_collective = 4 * 1e-4 + 0.75 * 4e6 / 1e8
-    assert cost.seconds == pytest.approx(0.1 + 3 * per_unit_collective + 2e-4)
+    gather = 4 * 1e-4 + 0.75 * 4e6 / 1e8
+    scatter = 4 * 2 * 1e-4 + 2 * 0.75 * 4e6 / 1e8  # gloo: an all-reduce of both padded segments
+    assert cost.seconds == pytest.approx(0.1 + 2 * gather + scatter + 2e-4)
     assert cost.state_memory == (6_000_000, 14_000_000)
 
 
 def test_hybrid_shards_inside_nodes_and_all_reduces_the_shards_across() -> None:
     cost = cm.hybrid_sharded(job(nodes=2, per_node=2))
     inside = 4 * 1e-5 + 0.5 * 4e6 / 1e10
+    scatter = 4 * 2 * 1e-5 + 4e6 / 1e10  # gloo: an all-reduce
     across = 4 * 2 * 1e-4 + 4e6 / 1e8
     stats = 2 * 3 * 1e-4  # four ranks over the network
-    assert cost.seconds == pytest.approx(0.1 + 3 * inside + across + stats)
+    assert cost.seconds == pytest.approx(0.1 + 2 * inside + scatter + across + stats)
     assert cost.network_bytes == pytest.approx(4e6 / 2)
 
 

@@ -62,6 +62,15 @@ def all_gather(link: Link, size: float, world: int, messages: int = 1) -> float:
     return messages * (world - 1) * link.latency + (world - 1) / world * size / link.bandwidth
 
 
+def reduce_scatter(job: "Job", link: Link, size: float, world: int, messages: int = 1) -> float:
+    """Seconds of a reduce-scatter of ``size`` bytes in all: a ring's half of an all-reduce, except over gloo (a job
+    that does not overlap: CPUs), whose reduce-scatter is a whole all-reduce of the input (measured between test
+    hosts: the same seconds and bytes as an all-reduce; benchmarks/bench_cluster_model.py)."""
+    if not job.overlaps:
+        return all_reduce(link, size, world, messages)
+    return all_gather(link, size, world, messages)
+
+
 def send_to_all(link: Link, per_rank: float, world: int, messages: int = 1) -> float:
     """Seconds of an all-gather in which each of ``world`` ranks sends ``per_rank`` bytes to every other."""
     if world <= 1:
@@ -101,6 +110,8 @@ class ModelCost:
     """Sharding units (a sharded mode gathers each in one collective), the rest of the model counted as one."""
     largest_unit_bytes: int
     """fp32 bytes of the largest unit a sharded rank gathers whole."""
+    largest_parameter_bytes: int = 0
+    """fp32 bytes of the largest parameter: ZeRO-1 shards whole parameters, so no shard is smaller."""
     hooks: tuple[HookVariant, ...] = (EXACT_ALL_REDUCE,)
     """The comm hook settings to weigh, with what each sends of these gradients (PowerSGD's depends on shapes)."""
 
@@ -263,10 +274,15 @@ def replicated(job: Job, sent_fraction: float = 1.0, zero: bool = False) -> Upda
     held = [1 / world if zero else 1.0] * world
     forward_backward, step = compute_seconds(job, held)
     hidden = exposed(job, gradients, (1 - FORWARD_SHARE) * forward_backward / job.accumulation, buckets)
-    gather = all_gather(link, size, world, buckets) if zero else 0.0
+    # ZeRO-1 (torch's ZeroRedundancyOptimizer) broadcasts each rank's stepped shard from it, whole parameters: the
+    # largest shard, at least the largest parameter, bounds the update. gloo's broadcast is a binomial tree (the
+    # root's interface sends ceil(log2 W) copies) whose sends take (W - 1) shard-times in all (measured, W = 2, 4)
+    shard = max(size / world, model.largest_parameter_bytes)
+    gather = send_to_all(link, shard, world) if zero else 0.0
     sync = stats_sync(job)
     state = [size * (2 + model.optimizer_ratio * held[r]) for r in range(world)]
-    network = 2 * (world - 1) / world * sent_fraction * size + ((world - 1) / world * size if zero else 0.0)
+    rounds = math.ceil(math.log2(world)) if world > 1 else 0
+    network = 2 * (world - 1) / world * sent_fraction * size + (rounds * shard if zero else 0.0)
     return UpdateCost(forward_backward + step, gradients + gather + sync, hidden + gather + sync,
                       _bytes(state), network if job.nodes > 1 else 0.0)
 
@@ -279,13 +295,15 @@ def fully_sharded(job: Job) -> UpdateCost:
     units, size = model.units, model.parameter_bytes
     link, micro = job.ring_link(), job.accumulation
     gather = all_gather(link, size, world, units)
+    scatter = reduce_scatter(job, link, size, world, units)
     forward_backward, step = compute_seconds(job, [1 / world] * world)
     forward = FORWARD_SHARE * forward_backward
     hidden = exposed(job, micro * gather, forward, micro * units) \
-        + exposed(job, (micro + 1) * gather, forward_backward - forward, micro * units)
+        + exposed(job, micro * gather + scatter, forward_backward - forward, micro * units)
     state = [size * (2 + model.optimizer_ratio) / world + 2 * model.largest_unit_bytes] * world
-    return UpdateCost(forward_backward + step, (2 * micro + 1) * gather + stats_sync(job), hidden + stats_sync(job),
-                      _bytes(state), (2 * micro + 1) * (world - 1) / world * size if job.nodes > 1 else 0.0)
+    scatter_share = (1 if job.overlaps else 2) * (world - 1) / world
+    return UpdateCost(forward_backward + step, 2 * micro * gather + scatter + stats_sync(job), hidden + stats_sync(job),
+                      _bytes(state), (2 * micro * (world - 1) / world + scatter_share) * size if job.nodes > 1 else 0.0)
 
 
 def uneven_sharded(job: Job, fractions: Sequence[float]) -> UpdateCost:
@@ -295,12 +313,15 @@ def uneven_sharded(job: Job, fractions: Sequence[float]) -> UpdateCost:
     model, world = job.model, job.world
     size = model.parameter_bytes
     padded = max(fractions) * size
-    collectives = 2 * job.accumulation + 1
-    communication = collectives * send_to_all(job.ring_link(), padded, world, model.units) + stats_sync(job)
+    link, units = job.ring_link(), model.units
+    gathers = 2 * job.accumulation * send_to_all(link, padded, world, units)
+    scatter = reduce_scatter(job, link, world * padded, world, units)  # the segments' buffer, padded
+    communication = gathers + scatter + stats_sync(job)
     forward_backward, step = compute_seconds(job, fractions)
     state = [size * (2 + model.optimizer_ratio) * f + 2 * model.largest_unit_bytes for f in fractions]
+    scattered = (1 if job.overlaps else 2) * (world - 1) * padded
     return UpdateCost(forward_backward + step, communication, communication, _bytes(state),
-                      collectives * (world - 1) * padded if job.nodes > 1 else 0.0)
+                      2 * job.accumulation * (world - 1) * padded + scattered if job.nodes > 1 else 0.0)
 
 
 def hybrid_sharded(job: Job) -> UpdateCost:
@@ -310,13 +331,14 @@ def hybrid_sharded(job: Job) -> UpdateCost:
     group, nodes = job.per_node, job.nodes
     micro = job.accumulation
     inside = all_gather(job.intra_link(), size, group, model.units)
+    scatter = reduce_scatter(job, job.intra_link(), size, group, model.units)
     across = all_reduce(job.network, size, nodes, model.units)  # G shards of size / G share the node's link
     forward_backward, step = compute_seconds(job, [1 / group] * job.world)
     forward = FORWARD_SHARE * forward_backward
-    backward = exposed(job, (micro + 1) * inside + across, forward_backward - forward, micro * model.units)
+    backward = exposed(job, micro * inside + scatter + across, forward_backward - forward, micro * model.units)
     hidden = exposed(job, micro * inside, forward, micro * model.units) + backward + stats_sync(job)
     state = [size * (2 + model.optimizer_ratio) / group + 2 * model.largest_unit_bytes] * job.world
-    return UpdateCost(forward_backward + step, (2 * micro + 1) * inside + across + stats_sync(job), hidden,
+    return UpdateCost(forward_backward + step, 2 * micro * inside + scatter + across + stats_sync(job), hidden,
                       _bytes(state), 2 * (nodes - 1) / nodes * size / group)
 
 

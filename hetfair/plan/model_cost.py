@@ -42,7 +42,9 @@ def state_cost(model: nn.Module, units: Sequence[nn.Module], build_optimizer: Op
     trainable = [p for p in model.parameters() if p.requires_grad]
     return ModelCost(parameters=sum(p.numel() for p in trainable), flops_per_sample=1.0, activation_bytes=0,
                      optimizer_ratio=sizes.optimizer_ratio, units=len(units) + 1,
-                     largest_unit_bytes=sizes.largest_unit, hooks=hook_variants(trainable))
+                     largest_unit_bytes=sizes.largest_unit,
+                     largest_parameter_bytes=4 * max((p.numel() for p in trainable), default=0),
+                     hooks=hook_variants(trainable))
 
 
 def hook_variants(params: Sequence[nn.Parameter]) -> tuple[HookVariant, ...]:
