@@ -338,17 +338,21 @@ def run_job(network: Network, setting: Setting, workdir: Path, mode: Optional[Se
     return Result(steady, valid_loss(setting, state), round(sum(per_interval)))
 
 
-def single_node_speeds(network: Network, setting: Setting, workdir: Path) -> list[float]:
-    """Samples/s of each node's plain loop without communication, all nodes running at once."""
+def single_node_speeds(network: Network, setting: Setting, workdir: Path,
+                       mode: Optional[Sequence[str]] = None) -> list[float]:
+    """Samples/s of each node's plain loop without communication, all nodes running at once (``mode`` given:
+    of ``hetfair-train`` with these flags, each node a job of its own)."""
     speeds: list[float] = [0.0] * len(network.hosts)
     errors: list[BaseException] = []
 
     def one(index: int) -> None:
         save_dir = Path(tempfile.mkdtemp(dir=workdir))
+        command = plain_command(setting, save_dir) if mode is None else \
+            hetfair_command(setting, save_dir, 0, 1, network.hosts[index].address, mode)
         try:
-            clock = clocked_run(setting.on_node(network, index, plain_command(setting, save_dir)),
-                                node_env(setting, index, 1, True, ""), timeout=1800, expected_updates=setting.updates,
-                                cwd=REPO_ROOT)
+            clock = clocked_run(setting.on_node(network, index, command),
+                                node_env(setting, index, 1, mode is None, ""), timeout=1800,
+                                expected_updates=setting.updates, cwd=REPO_ROOT)
             speeds[index] = setting.batch / clock.wall_per_update
         except BaseException as exc:  # reported by the caller
             errors.append(exc)
