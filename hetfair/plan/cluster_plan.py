@@ -6,8 +6,8 @@ device has it, else fp16, else fp32: ``--precision auto``'s rule) and its second
 (the model's FLOPs over the device's FLOP/s in that precision, times :data:`DEFAULT_EFFICIENCY`
 for a catalogue peak; a measured rate is taken as the rate a step reaches). Every strategy that
 has a cost formula (:meth:`~hetfair.parallel.Strategy.cost_variants`) is predicted with each of
-its settings and each batch split (:data:`SPLITS`); a mode whose state and one sample do not fit
-a device's memory is left out of the ranking, and the rest are ranked by samples per second.
+its settings and each batch split (:data:`SPLITS`), and ranked by samples per second; a mode whose
+state and one sample do not fit a device's memory comes after all that fit, marked.
 Scaling efficiency is the predicted rate over the sum of each device's rate training alone.
 """
 
@@ -26,7 +26,8 @@ from hetfair.parallel.cost_model import Job, ModelCost, Rank, UpdateCost, comput
 DEFAULT_EFFICIENCY = 0.4
 """The fraction of a catalogued peak FLOP/s a training step reaches (its model FLOP utilisation). Large
 transformer training reports 0.4-0.55 on data-centre GPUs (Megatron-LM, PaLM's MFU table); smaller models and
-consumer cards reach less. ``hetfair-plan --efficiency`` sets another, and calibration fits it to measured runs."""
+consumer cards reach less (fitted to HetSeq's one-node row, benchmarks/bench_published.py: 0.28 on TITAN Xp nodes
+in fp32). ``hetfair-plan --efficiency`` sets another."""
 
 HALF_PRECISIONS = ("bf16", "fp16")
 SPLITS = ("by speed", "even")
