@@ -82,13 +82,16 @@ def _time_node_links(context: DistributedContext, nodes: list[list[int]], size: 
 
 
 def step_costs(model: nn.Module, criterion: nn.Module, batch_of: Callable[[int], dict[str, Any]],
-               device: torch.device, precision: str) -> tuple[float, float]:
+               device: torch.device, precision: str, few: int = SAMPLES, more: int = 2 * SAMPLES
+               ) -> tuple[float, float]:
     """Seconds per sample of a forward and backward of ``model`` on ``device`` in ``precision``, and seconds per
-    update beyond them (see the module)."""
-    few, more = (step_seconds(model, criterion, batch_of(samples), device, precision)
-                 for samples in (SAMPLES, 2 * SAMPLES))
-    per_sample = max(more - few, 1e-9) / SAMPLES
-    return per_sample, max(0.0, few - SAMPLES * per_sample)
+    update beyond them: from timed steps of ``few`` and ``more`` samples (see the module); where they are one
+    size, all of it per sample."""
+    if few >= more:
+        return step_seconds(model, criterion, batch_of(more), device, precision) / more, 0.0
+    short, long = (step_seconds(model, criterion, batch_of(samples), device, precision) for samples in (few, more))
+    per_sample = max(long - short, 1e-9) / (more - few)
+    return per_sample, max(0.0, short - few * per_sample)
 
 
 def step_seconds(model: nn.Module, criterion: nn.Module, batch: dict[str, Any], device: torch.device,

@@ -30,7 +30,7 @@ def measure_model_cost(model: nn.Module, criterion: nn.Module, batch_of: Callabl
                        units: Sequence[nn.Module], build_optimizer: OptimizerFactory) -> ModelCost:
     """``model``'s :class:`ModelCost`, from steps on ``batch_of(1)`` and ``batch_of(2)`` (on the model's device, fp32;
     the gradients, buffers and random generators are left as they were)."""
-    one, two = _step_costs(model, criterion, batch_of(1)), _step_costs(model, criterion, batch_of(2))
+    one, two = _counted_step(model, criterion, batch_of(1)), _counted_step(model, criterion, batch_of(2))
     return replace(state_cost(model, units, build_optimizer), flops_per_sample=max(two[0] - one[0], 1.0),
                    activation_bytes=max(two[1] - one[1], 0))
 
@@ -59,7 +59,7 @@ def hook_variants(params: Sequence[nn.Parameter]) -> tuple[HookVariant, ...]:
     return tuple(variants)
 
 
-def _step_costs(model: nn.Module, criterion: nn.Module, batch: dict[str, Any]) -> tuple[float, int]:
+def _counted_step(model: nn.Module, criterion: nn.Module, batch: dict[str, Any]) -> tuple[float, int]:
     """The FLOPs of one forward and backward on ``batch``, and the bytes its forward saved for the backward."""
     parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved: dict[int, int] = {}

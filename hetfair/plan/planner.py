@@ -27,9 +27,9 @@ from hetfair.memory.sizes import format_size
 from hetfair.parallel import PLAN_ROLES, STRATEGY_REGISTRY, plan_candidate
 from hetfair.parallel.collectives import all_gather_json
 from hetfair.parallel.context import DistributedContext
-from hetfair.plan import AUTO
 from hetfair.parallel.nodes import node_identity
-from hetfair.plan.measure import device_memory, step_seconds
+from hetfair.plan import AUTO
+from hetfair.plan.measure import device_memory, step_costs
 from hetfair.plan.model_cost import state_cost
 from hetfair.plan.predicted import Predicted, measured_cluster, predict_candidates, time_link
 from hetfair.plan.probe import SAFETY_MARGIN, MicroBatchProbe, ProbeResult
@@ -190,7 +190,8 @@ class Planner:
         batch = self._given_capacity() or 1
         device, precision = self.context.device, self.config.precision.precision
         cost = state_cost(self.model, self.units, self.build_optimizer)  # rates in samples/s: no FLOPs needed
-        per_sample, overhead = self._step_costs(batch)
+        per_sample, overhead = step_costs(self.model, self.criterion, self.batch_of, device, precision,
+                                          few=max(1, batch // 2), more=batch)  # each fits: ``batch`` did
         own = {"node": node_identity(), "host": socket.gethostname(), "device": device.type,
                "memory": self.budget or device_memory(device),
                "precision": precision, "seconds_per_sample": per_sample, "step_overhead": overhead,
@@ -200,17 +201,6 @@ class Planner:
         candidates = [plan_candidate(role) for role in PLAN_ROLES]
         return predict_candidates(cluster, cost, [fact["batch"] for fact in facts], candidates,
                                   _fractions_by_budget(budgets))
-
-    def _step_costs(self, batch: int) -> tuple[float, float]:
-        """Seconds per sample and per update beyond them, from timed steps of ``batch`` and half as many samples
-        (each fits: ``batch`` did); of one sample, all of it per sample."""
-        device, precision = self.context.device, self.config.precision.precision
-        timed = [step_seconds(self.model, self.criterion, self.batch_of(n), device, precision)
-                 for n in sorted({max(1, batch // 2), batch})]
-        if len(timed) == 1:
-            return timed[0], 0.0
-        per_sample = max(timed[1] - timed[0], 1e-9) / (batch - batch // 2)
-        return per_sample, max(0.0, timed[0] - batch // 2 * per_sample)
 
     def _backend(self, budgets: list[Optional[int]], fits: list[bool], predicted: Sequence[Predicted]
                  ) -> tuple[str, str, Optional[tuple[float, ...]]]:
