@@ -17,8 +17,8 @@ from netns import Network, unavailable  # noqa: E402
 SERIAL_GROUPS = {
     **dict.fromkeys(["test_live_recovery.py", "test_live_security.py", "test_third_host.py", "test_preemption.py",
                      "test_teardown.py"], "serial-1"),
-    **dict.fromkeys(["test_signals_and_hangs.py", "test_rendezvous_security.py", "test_elastic_torchrun.py"],
-                    "serial-2"),
+    **dict.fromkeys(["test_signals_and_hangs.py", "test_rendezvous_security.py", "test_elastic_torchrun.py",
+                     "test_cluster_model_netns.py"], "serial-2"),
 }
 
 

@@ -21,11 +21,14 @@ updates spread by +-10% (TCP's window after the compute's idle gap), so the medi
 compute, not to the link's time. 25% holds all of that and still fails a model that forgets a collective,
 counts the all-reduce once instead of both ways (0.5x) or the gradients twice (2x). The bf16 hook's case
 checks a difference the model predicts: its update over the exact one's, measured against predicted within
-:data:`RATIO_TOLERANCE` (predicted 0.51, measured 0.53-0.57; the hook's bytes counted as fp32 give 1.0, as
-int8 0.25).
+:data:`RATIO_TOLERANCE` (predicted 0.51; measured 0.485-0.57 on a quiet machine, and 0.645 once in a CI run's
+first pass, beside another worker's tests: the bf16 update is the shorter, so the CPU-bound part of an update
+that the model leaves out (the hook's cast and callbacks, gloo's handshakes, scheduling) weighs more in it and
+grows with the machine's load). 0.2 still fails the accounting errors this case is for: the hook's bytes
+counted as fp32 give 1.0, as int8 0.25.
 
-Not ``serial``: nothing here holds a deadline on a peer (``conftest.SERIAL_GROUPS``), and the time measured is
-the shaped link's, which other tests' CPU load does not slow.
+``serial`` (``conftest.SERIAL_GROUPS``): the ratio is a measured rate, which assumes a machine not otherwise
+busy, as the project's serial marker says; nothing here holds a deadline on a peer.
 """
 
 from __future__ import annotations
@@ -63,7 +66,7 @@ BANDWIDTH = 20e6 / 8 * 1448 / 1514
 LATENCY = 145e-6
 """A 4-byte gloo all-reduce between two namespaces, over its two hops (bench_cluster_model measured 144-146 us)."""
 TOLERANCE = 0.25
-RATIO_TOLERANCE = 0.12
+RATIO_TOLERANCE = 0.2
 
 
 def toy_model_cost(model: torch.nn.Module) -> ModelCost:
