@@ -7,7 +7,8 @@ tensor), so a rank never runs code chosen by another process.
 from __future__ import annotations
 
 import json
-from typing import Any
+import time
+from typing import Any, Optional
 
 import torch
 import torch.distributed as dist
@@ -46,3 +47,24 @@ def all_gather_json(context: DistributedContext, value: Any) -> list[Any]:
     gathered = [torch.empty_like(local) for _ in range(context.world_size)]
     dist.all_gather(gathered, local)
     return [json.loads(bytes(t[:size].cpu().tolist())) for t, size in zip(gathered, sizes)]
+
+
+def timed_all_reduce(context: DistributedContext, numbers: int, group: Optional[dist.ProcessGroup] = None) -> float:
+    """Seconds one all-reduce of ``numbers`` fp32 values over ``group`` (default: every rank) takes, the slowest
+    rank's (the same number on every rank of the group). A small all-reduce first lines the ranks up, so no rank's
+    clock counts another's start-up."""
+    device = comm_device(context)
+    dist.all_reduce(torch.zeros(1, device=device), group=group)
+    buffer = torch.zeros(numbers, device=device)
+    start = _now(device)
+    dist.all_reduce(buffer, group=group)
+    seconds = torch.tensor([_now(device) - start], dtype=torch.float64, device=device)
+    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+    return float(seconds.item())
+
+
+def _now(device: torch.device) -> float:
+    """The clock, once ``device``'s queued work is done."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()

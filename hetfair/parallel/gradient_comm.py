@@ -9,14 +9,11 @@ part, which also holds the hook asked for and the one in use.
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
-import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
-from hetfair.parallel.collectives import comm_device
+from hetfair.parallel.collectives import timed_all_reduce
 from hetfair.parallel.comm_advice import HookCost
 from hetfair.parallel.comm_hook import AUTO, EXACT, CommHook, hook_options, hooks_in_play
 from hetfair.parallel.config import ParallelConfig
@@ -118,24 +115,8 @@ class GradientComm:
         return sum(p.numel() * p.element_size() for p in self.params if p.requires_grad)
 
     def time_all_reduce(self) -> float:
-        """Seconds one all-reduce of the gradients' size takes, the slowest rank's (the same number on every rank).
-
-        A small all-reduce first lines the ranks up, so no rank's clock counts another's start-up.
-        """
-        device = comm_device(self.context)
-        dist.all_reduce(torch.zeros(1, device=device))
-        buffer = torch.zeros(self.gradient_bytes // 4, device=device)
-        start = _now(device)
-        dist.all_reduce(buffer)
-        seconds = torch.tensor([_now(device) - start], dtype=torch.float64, device=device)
-        dist.all_reduce(seconds, op=dist.ReduceOp.MAX)
-        return float(seconds.item())
-
-
-def _now(device: torch.device) -> float:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return time.perf_counter()
+        """Seconds one all-reduce of the gradients' size takes, the slowest rank's (the same number on every rank)."""
+        return timed_all_reduce(self.context, self.gradient_bytes // 4)
 
 
 class CommStatePart:

@@ -11,16 +11,14 @@ of the chosen mode and of the runner-up.
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
-import torch
 import torch.distributed as dist
 
 from hetfair.cluster.description import DEFAULT_INTRA_NODE, DEFAULT_NETWORK, Cluster, Device, Link, Node
 from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig
-from hetfair.parallel.collectives import comm_device
+from hetfair.parallel.collectives import timed_all_reduce
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.cost_model import ModelCost
 from hetfair.plan.cluster_plan import alone_rate, build_job, predict
@@ -46,23 +44,10 @@ def time_link(context: DistributedContext, size: int, group: Optional[dist.Proce
     """The link an all-reduce over ``group`` (of ``world`` ranks; default every rank) crosses: its bandwidth from a
     timed all-reduce of ``size`` bytes, its latency from a timed one-number all-reduce (each the slowest rank's;
     a collective of the group)."""
-    small, large = (_timed_all_reduce(context, numbers, group) for numbers in (1, max(1, size // 4)))
+    small, large = (timed_all_reduce(context, numbers, group) for numbers in (1, max(1, size // 4)))
     world = world or context.world_size
     ring = 2 * (world - 1)
     return Link(ring / world * size / max(large - small, 1e-9), small / ring)
-
-
-def _timed_all_reduce(context: DistributedContext, numbers: int, group: Optional[dist.ProcessGroup]) -> float:
-    device = comm_device(context)
-    dist.all_reduce(torch.zeros(1, device=device), group=group)  # the ranks line up first
-    buffer = torch.zeros(numbers, device=device)
-    _synchronize(device)
-    start = time.perf_counter()
-    dist.all_reduce(buffer, group=group)
-    _synchronize(device)
-    seconds = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=device)
-    dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
-    return float(seconds.item())
 
 
 def measured_cluster(facts: Sequence[dict[str, Any]], network: Optional[Link],
@@ -101,13 +86,7 @@ def predict_candidates(cluster: Cluster, model: ModelCost, batches: Sequence[int
             prediction = predict(backend, strategy, config, job, "as planned", alone)
         except NotImplementedError:
             return []
-        shown = ",".join(sorted({str(b) for b in batches}, key=int)) if len(set(batches)) == 1 else \
-            ",".join(map(str, batches))
+        shown = str(batches[0]) if len(set(batches)) == 1 else ",".join(map(str, batches))
         predicted.append(Predicted(backend, prediction.samples_per_second, prediction.efficiency, prediction.fits,
                                    shown))
     return sorted(predicted, key=lambda p: -p.samples_per_second)
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
