@@ -27,6 +27,7 @@ from hetfair.parallel import (STRATEGY_REGISTRY, ZERO_SHARDING_FLAGS, ZERO_SHARD
 from hetfair.parallel.comm_hook import comm_hook_choices, comm_hook_flags, loadable_hooks
 from hetfair.parallel.inner_steps import INNER_STEPS_BY
 from hetfair.parallel.outer_exchange import OUTER_REDUCE_DTYPES
+from hetfair.parallel.pipeline_split import PIPELINE_LAYOUTS, PIPELINE_SCHEDULES
 from hetfair.plugins import import_user_dir
 from hetfair.memory.sizes import format_size, parse_size
 from hetfair.plan import AUTO
@@ -337,6 +338,23 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     _option(group, "--outer-momentum", bounds=Bounds(0.0, 1.0, open_maximum=True), type=float, metavar="M",
             help="with --ddp-backend diloco: Nesterov momentum of the outer SGD (default: 0.9, as in the "
                  "DiLoCo paper)")
+    _option(group, "--pipeline-stages", bounds=Bounds(1), type=int, default=2, metavar="S",
+            help="with --ddp-backend pipeline: the stages each pipeline cuts the model into, at its sharding units "
+                 "(layers); the processes form world/S pipelines (default: 2)")
+    group.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",
+                       help="with --ddp-backend pipeline: torch.distributed.pipelining's schedule: gpipe, 1f1b, or "
+                            "interleaved (1F1B over two smaller stages per process; 2*S stages)")
+    _option(group, "--pipeline-microbatches", bounds=Bounds(1), type=int, default=4, metavar="M",
+            help="with --ddp-backend pipeline: the micro-batches a pipeline's share of each step is cut into "
+                 "(more fill the pipeline better; a pipeline's stages must agree, pipelines may differ)")
+    group.add_argument("--pipeline-split", metavar="even|auto|N0,N1,...", default="even",
+                       help="with --ddp-backend pipeline: sharding units per stage: even, auto (by each stage's "
+                            "measured speed and memory budget, so the slowest stage is as short as it can be), or "
+                            "one count per stage like 4,8")
+    group.add_argument("--pipeline-layout", choices=PIPELINE_LAYOUTS, default="across",
+                       help="with --ddp-backend pipeline: across puts stage s of every pipeline on consecutive "
+                            "ranks (one node per stage: activations cross the slow link, gradients stay inside "
+                            "the node); inside puts each pipeline's stages on consecutive ranks")
     group.add_argument("--shard-fractions", metavar="F0,F1,...",
                        help="with fully_sharded: one number per rank, its share of the parameters, gradients and "
                             "optimizer state (e.g. 1,3: rank 1 holds three times rank 0's share; default: from "

@@ -135,6 +135,7 @@ class Trainer:
             compile_model(self.model)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         self.wrapped_model: nn.Module = self.strategy.wrap(self.model)
+        self._runner = self.strategy.micro_batch_runner()  # a pipeline runs the micro-batches itself
         self.optimizer = optimizer_factory(self.params)
         self._defers_normalising = loss_scaler is None and self.strategy.holds_full_gradients
         """Normalising can wait for the clipping coefficient: one multiplication of the gradients does both.
@@ -224,6 +225,8 @@ class Trainer:
         logs summed into ``totals``; gradients sync in the last backward. With ``stats_samples`` (the samples of
         the update's earlier steps) this is the update's last step: the stats all-reduce starts before its last
         backward. Returns this rank's samples, and that all-reduce (``None`` without ``stats_samples``)."""
+        if self._runner is not None:
+            return self._run_scheduled(samples, first_index, totals, stats_samples)
         local_samples = 0
         pending: Optional[PendingStats] = None
         for index, sample in enumerate(samples, first_index):
@@ -254,6 +257,39 @@ class Trainer:
         if stats_samples is not None and pending is None:
             pending = self._start_stats_sync(totals, stats_samples + local_samples)
         return local_samples, pending
+
+    def _run_scheduled(self, samples: list[Optional[dict[str, Any]]], first_index: int, totals: dict[str, Any],
+                       stats_samples: Optional[int]) -> tuple[int, Optional[PendingStats]]:
+        """:meth:`_forward_backward` where the strategy runs the micro-batches (a pipeline's schedule): the
+        criterion runs on the stage that computes the loss, on the output of the model's forward there; only that
+        rank counts the logs and samples (every rank of a pipeline loads the same micro-batches)."""
+        runner = self._runner
+        assert runner is not None
+        device = self.context.device
+        batches = [move_to_device(sample if sample is not None else self._dummy_batch, device) for sample in samples]
+        local = {"samples": 0}
+
+        def loss_of(output: Any, index: int) -> torch.Tensor:
+            batch, real = batches[index], samples[index] is not None
+            loss, sample_size, logs = self.criterion(_Output(output), batch)
+            if not real:
+                loss = loss * 0.0
+                logs = {k: 0.0 if isinstance(v, (int, float)) else v for k, v in logs.items()}
+                sample_size = 0
+            else:
+                local["samples"] += int(batch["nsentences"])
+            sum_logs(totals, {**_batch_counts(batch, logs, real), **logs, "sample_size": float(sample_size)})
+            totals.update((key, value) for key, value in logs.items() if not is_summable(value))
+            return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
+
+        _seed_rng(derived_seed(self.config.seed, self.num_updates, first_index, self.context.rank), device)
+        runner.run([self.criterion.model_inputs(batch) for batch in batches], loss_of,
+                   lambda: autocast(self.config.precision, device))
+        totals.update(runner.agree_keys(totals))
+        pending = None
+        if stats_samples is not None:
+            pending = self._start_stats_sync(totals, stats_samples + local["samples"])
+        return local["samples"], pending
 
     def _step(self, factor: float) -> Optional[float]:
         """Normalise the gradients by ``factor`` (without loss scaling or sharding, together with clipping: see
@@ -414,6 +450,16 @@ def _fused_step(optimizer: torch.optim.Optimizer) -> bool:
     """Whether ``optimizer`` is one of torch's fused implementations, which take a ``grad_scale`` to divide by."""
     return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and all(
         group.get("fused") for group in optimizer.param_groups)
+
+
+class _Output:
+    """A stand-in for the model that the criterion calls on a pipeline's last stage: its output is known."""
+
+    def __init__(self, output: Any) -> None:
+        self.output = output
+
+    def __call__(self, **inputs: Any) -> Any:
+        return self.output
 
 
 def _batch_counts(batch: dict[str, Any], logs: dict[str, Any], has_samples: bool) -> dict[str, float]:

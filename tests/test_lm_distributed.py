@@ -60,25 +60,27 @@ def commands(tmp_path: Path, data: Path, max_tokens: list[int]) -> list[list[str
             for rank, tokens in enumerate(max_tokens)]
 
 
-def reference_parameters(data: Path, docs: list[str]) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The initial and the final parameters of the plain loop."""
+def reference_parameters(data: Path, docs: list[str], layers: int = TINY["layers"], epochs: int = 1
+                         ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The initial and the final parameters of the plain loop (a model of ``layers`` layers, ``epochs`` epochs)."""
     stream = torch.from_numpy(reference_stream(data / "tokenizer.json", docs))
     sources, targets = stream[:-1].split(BLOCK), stream[1:].split(BLOCK)
     vocab_size = Tokenizer.from_file(str(data / "tokenizer.json")).get_vocab_size()
     torch.manual_seed(SEED)
     model = TransformerLM(LMConfig(vocab_size=vocab_size, max_positions=BLOCK, dropout=0.0, attention_dropout=0.0,
-                                   **TINY))
+                                   **{**TINY, "layers": layers}))
     initial = {name: value.clone() for name, value in model.state_dict().items()}
     optimizer = torch.optim.SGD(model.parameters(), lr=LR)
-    order = np.random.default_rng([SEED, 1]).permutation(len(sources))
     update = sum(BLOCKS_PER_RANK) * UPDATE_FREQ
-    assert len(order) % update and len(order) > 2 * update, "the corpus must give two full updates and a short one"
-    for start in range(0, len(order), update):
-        chunk = order[start:start + update].tolist()
-        optimizer.zero_grad()
-        summed = sum(F.cross_entropy(model(sources[i][None])[0], targets[i], reduction="sum") for i in chunk)
-        (summed / sum(len(targets[i]) for i in chunk)).backward()
-        optimizer.step()
+    for epoch in range(1, epochs + 1):
+        order = np.random.default_rng([SEED, epoch]).permutation(len(sources))
+        assert len(order) % update and len(order) > 2 * update, "the corpus must give two full updates and a short one"
+        for start in range(0, len(order), update):
+            chunk = order[start:start + update].tolist()
+            optimizer.zero_grad()
+            summed = sum(F.cross_entropy(model(sources[i][None])[0], targets[i], reduction="sum") for i in chunk)
+            (summed / sum(len(targets[i]) for i in chunk)).backward()
+            optimizer.step()
     return initial, model.state_dict()
 
 

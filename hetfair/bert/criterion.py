@@ -52,7 +52,7 @@ class MaskedLmCriterion(HetfairCriterion):
     def forward(self, model: nn.Module, sample: dict[str, Any]) -> tuple[torch.Tensor, int, LoggingOutput]:
         target = sample["target"]
         masked = target != IGNORE_INDEX
-        output = model(**sample["net_input"], masked_tokens=masked)
+        output = model(**self.model_inputs(sample))
         logits = output["mlm_logits"].float()
         targets = target[masked]
         loss = F.cross_entropy(logits, targets, reduction="sum")
@@ -73,6 +73,10 @@ class MaskedLmCriterion(HetfairCriterion):
         logging_output["ntokens"] = float(sample["ntokens"])
         sample_size = int(targets.numel())
         return loss, sample_size, logging_output
+
+    def model_inputs(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """The sample's inputs, and its masked positions: the LM head scores only those."""
+        return {**sample["net_input"], "masked_tokens": sample["target"] != IGNORE_INDEX}
 
     @staticmethod
     def reduce_metrics(logs: LoggingOutput) -> dict[str, float]:

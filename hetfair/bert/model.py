@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import fields
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from hetfair.bert.config import ACTIVATIONS, BertConfig, config_from_file
 from hetfair.errors import ConfigError
 from hetfair.models import register_model, register_model_architecture
 from hetfair.models.model import HetfairModel
+from hetfair.parallel.pipeline_stage import PipelineStage, units_dict
 from hetfair.utils import absolute_path
 
 if TYPE_CHECKING:
@@ -110,17 +111,40 @@ def encode(embeddings: BertEmbeddings, layers: nn.ModuleList, input_ids: torch.T
     ``token_type_ids`` ``None`` is segment 0 everywhere; ``attention_mask`` is true on real tokens
     (``None``: no padding).
     """
-    if token_type_ids is None:
-        token_type_ids = torch.zeros_like(input_ids)
-    mask = None if attention_mask is None else attention_mask[:, None, None, :].bool()
-    hidden = embeddings(input_ids, token_type_ids)
+    hidden = embed(embeddings, input_ids, token_type_ids)
+    mask = layer_mask(attention_mask)
     for layer in layers:
         hidden = layer(hidden, mask)
     return hidden
 
 
+def embed(embeddings: BertEmbeddings, input_ids: torch.Tensor, token_type_ids: torch.Tensor | None) -> torch.Tensor:
+    """The embedded input; ``token_type_ids`` ``None`` is segment 0 everywhere."""
+    return embeddings(input_ids, torch.zeros_like(input_ids) if token_type_ids is None else token_type_ids)
+
+
+def layer_mask(attention_mask: torch.Tensor | None) -> torch.Tensor | None:
+    """The layers' attention mask from the ``(batch, length)`` one, true on real tokens."""
+    return None if attention_mask is None else attention_mask[:, None, None, :].bool()
+
+
+class BertHeads(nn.Module):
+    """The output end, shared by :class:`BertModel` and its last pipeline stage (:mod:`hetfair.bert.pipeline`),
+    which hold the same modules under the same names."""
+
+    lm_head: "BertLMHead"
+    nsp: bool
+
+    def heads(self, hidden: torch.Tensor, masked_tokens: torch.Tensor | None) -> dict[str, torch.Tensor]:
+        """Scores of the masked LM (on ``masked_tokens`` only, when given) and, with ``nsp``, of the next sentence."""
+        output = {"mlm_logits": self.lm_head(hidden if masked_tokens is None else hidden[masked_tokens])}
+        if self.nsp:
+            output["nsp_logits"] = self.nsp_head(torch.tanh(self.pooler(hidden[:, 0])))
+        return output
+
+
 @register_model("bert")
-class BertModel(HetfairModel):
+class BertModel(BertHeads, HetfairModel):
     """BERT for pretraining: masked LM, plus next-sentence prediction when ``nsp``.
 
     The NSP pooler and classifier exist only with ``nsp``, so without it every
@@ -240,10 +264,10 @@ class BertModel(HetfairModel):
                 ``None`` scores every position: ``(batch, length, vocab)``.
         """
         hidden = encode(self.embeddings, self.layers, input_ids, token_type_ids, attention_mask)
-        output = {"mlm_logits": self.lm_head(hidden if masked_tokens is None else hidden[masked_tokens])}
-        if self.nsp:
-            output["nsp_logits"] = self.nsp_head(torch.tanh(self.pooler(hidden[:, 0])))
-        return output
+        return self.heads(hidden, masked_tokens)
+
+    def pipeline_stage(self, units: range, first: bool, last: bool) -> PipelineStage:
+        return BertStage(self, units, first, last)
 
 
 def _arch(hidden_size: int, num_hidden_layers: int, num_attention_heads: int) -> dict[str, int]:
@@ -274,3 +298,32 @@ def bert_base() -> dict[str, int]:
 @register_model_architecture("bert", "bert_large")
 def bert_large() -> dict[str, int]:
     return _arch(1024, 24, 16)
+
+
+class BertStage(BertHeads, PipelineStage):
+    """Encoder layers ``units`` of ``model``; the embeddings on the first stage, the heads on the last."""
+
+    def __init__(self, model: BertModel, units: range, first: bool, last: bool) -> None:
+        PipelineStage.__init__(self, first, last)
+        self.hidden_size = model.config.hidden_size
+        if first:
+            self.embeddings = model.embeddings
+        self.layers = units_dict(model.layers, units)
+        self.nsp = model.nsp and last
+        if last:
+            self.lm_head = model.lm_head
+            if model.nsp:
+                self.pooler, self.nsp_head = model.pooler, model.nsp_head
+
+    def forward(self, *activations: torch.Tensor, input_ids: torch.Tensor,
+                token_type_ids: torch.Tensor | None = None, attention_mask: torch.Tensor | None = None,
+                masked_tokens: torch.Tensor | None = None) -> Any:
+        hidden = embed(self.embeddings, input_ids, token_type_ids) if self.first else activations[0]
+        mask = layer_mask(attention_mask)
+        for layer in self.layers.values():
+            hidden = layer(hidden, mask)
+        return self.heads(hidden, masked_tokens) if self.last else hidden.float()
+
+    def boundary(self, net_input: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        batch, length = net_input["input_ids"].shape
+        return (torch.empty(batch, length, self.hidden_size, device="meta"),)

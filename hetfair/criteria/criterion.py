@@ -40,6 +40,11 @@ class HetfairCriterion(nn.Module):
     def forward(self, model: nn.Module, sample: dict[str, Any]) -> tuple[torch.Tensor, int, LoggingOutput]:
         raise NotImplementedError
 
+    def model_inputs(self, sample: dict[str, Any]) -> dict[str, Any]:
+        """The keyword arguments :meth:`forward` calls the model with: ``sample["net_input"]`` unless the
+        criterion adds its own. A pipeline passes them to every stage (:mod:`hetfair.parallel.pipeline`)."""
+        return sample["net_input"]
+
     @staticmethod
     def reduce_metrics(logs: LoggingOutput) -> dict[str, float]:
         """Metrics to report from logging outputs summed over ranks and batches."""

@@ -39,6 +39,8 @@ class EpochUpdates:
     load balancer moved it), the rest of the epoch is planned anew from there. The
     sequence of global batches never changes, only how each is shared out.
 
+    ``pieces`` cuts each rank's share of a step into that many micro-batches (a pipeline's).
+
     ``inner_steps()``, read likewise, gives each rank's optimizer steps per update
     (``--inner-steps-by time``; ``None``: one each). Rank ``r`` taking ``k_r`` steps takes
     ``k_r`` times its share of each step, cut into ``k_r`` micro-batches of its share:
@@ -48,7 +50,8 @@ class EpochUpdates:
 
     def __init__(self, dataset: Dataset, collater: Collater, schedule: EpochSchedule, rank: int, epoch: int,
                  start: int, split: Callable[[], Optional[Sequence[int]]], num_workers: int = 0,
-                 pin_memory: bool = False, inner_steps: Callable[[], Optional[Sequence[int]]] = lambda: None) -> None:
+                 pin_memory: bool = False, inner_steps: Callable[[], Optional[Sequence[int]]] = lambda: None,
+                 pieces: int = 1) -> None:
         self.dataset = dataset
         self.collater = collater
         self.schedule = schedule
@@ -59,6 +62,7 @@ class EpochUpdates:
         self.inner_steps = inner_steps
         self.num_workers = num_workers
         self.pin_memory = pin_memory
+        self.pieces = pieces
 
     def steps_left(self) -> int:
         """Global batches (steps) left in the epoch, at the current split and inner steps."""
@@ -92,7 +96,7 @@ class EpochUpdates:
         plan = BatchPlan(len(self.dataset), caps, self.schedule.seed, self.epoch, shuffle=True, shares=shares,
                          start=start, global_batch_size=shape.step_size, update_size=shape.update_size,
                          sizes=getattr(self.dataset, "sizes", None))
-        pieces = counts[self.rank] if counts is not None else 1
+        pieces = counts[self.rank] if counts is not None else self.pieces
         batches = RankBatches(self.dataset, self.collater, plan, self.rank, num_workers=self.num_workers,
                               pin_memory=self.pin_memory, pieces=pieces)
         group: list[Optional[dict[str, Any]]] = []

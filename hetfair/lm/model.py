@@ -17,7 +17,7 @@ from __future__ import annotations
 import argparse
 import logging
 import math
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -28,6 +28,7 @@ from hetfair.lm.config import ACTIVATIONS, POSITIONS, LMConfig
 from hetfair.models import register_model, register_model_architecture
 from hetfair.models.deferred_init import real_tensors
 from hetfair.models.model import HetfairModel
+from hetfair.parallel.pipeline_stage import PipelineStage, units_dict
 
 if TYPE_CHECKING:
     from hetfair.tasks import Task
@@ -101,8 +102,37 @@ class DecoderLayer(nn.Module):
         return x + self.dropout(self.ffn_out(self.activation(self.ffn_in(self.ffn_norm(x)))))
 
 
+class LMParts(nn.Module):
+    """The input and output ends of the decoder, shared by :class:`TransformerLM` and its pipeline stages
+    (:mod:`hetfair.lm.pipeline`), which hold the same modules under the same names."""
+
+    config: LMConfig
+    embed_tokens: nn.Embedding
+
+    def embed(self, src_tokens: torch.Tensor) -> torch.Tensor:
+        """Token (and learned position) embeddings of ``(batch, length)`` ids, after dropout."""
+        length = src_tokens.shape[1]
+        if length > self.config.max_positions:
+            raise ConfigError(f"an input of {length} tokens is longer than the model's {self.config.max_positions} "
+                              f"positions")
+        x = self.embed_tokens(src_tokens)
+        if self.config.positions == "learned":
+            x = x + self.embed_positions(torch.arange(length, device=src_tokens.device))
+        return self.dropout(x)
+
+    def rotary(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """RoPE's cosines and sines for hidden states ``x`` (``None`` with learned positions)."""
+        if self.config.positions == "learned":
+            return None
+        return rotary_cos_sin(x.shape[1], self.config.head_dim, self.config.rotary_base, x.device, x.dtype)
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Scores of each next token: the final norm, then the (tied) token embeddings."""
+        return F.linear(self.final_norm(x), self.embed_tokens.weight)
+
+
 @register_model("transformer_lm")
-class TransformerLM(HetfairModel):
+class TransformerLM(LMParts, HetfairModel):
     """Decoder-only transformer: ``model(src_tokens) -> logits`` over the next token at every position."""
 
     init_source_options = ("init_from_hf",)
@@ -140,20 +170,14 @@ class TransformerLM(HetfairModel):
 
     def forward(self, src_tokens: torch.Tensor) -> torch.Tensor:
         """``(batch, length)`` token ids -> ``(batch, length, vocab)`` scores of each next token (causal)."""
-        length = src_tokens.shape[1]
-        if length > self.config.max_positions:
-            raise ConfigError(f"an input of {length} tokens is longer than the model's {self.config.max_positions} "
-                              f"positions")
-        x = self.embed_tokens(src_tokens)
-        rotary = None
-        if self.config.positions == "learned":
-            x = x + self.embed_positions(torch.arange(length, device=src_tokens.device))
-        else:
-            rotary = rotary_cos_sin(length, self.config.head_dim, self.config.rotary_base, x.device, x.dtype)
-        x = self.dropout(x)
+        x = self.embed(src_tokens)
+        rotary = self.rotary(x)
         for layer in self.layers:
             x = layer(x, rotary)
-        return F.linear(self.final_norm(x), self.embed_tokens.weight)
+        return self.head(x)
+
+    def pipeline_stage(self, units: range, first: bool, last: bool) -> PipelineStage:
+        return LMStage(self, units, first, last)
 
     @staticmethod
     def add_args(parser: argparse.ArgumentParser) -> None:
@@ -245,3 +269,31 @@ def gpt_mini() -> dict[str, int]:
 def gpt2_small() -> dict[str, int]:
     return _arch(768, 12, 12)
 
+
+class LMStage(LMParts, PipelineStage):
+    """Decoder layers ``units`` of ``model``; the embeddings on the first stage, the final norm and the tied
+    output projection on the last."""
+
+    def __init__(self, model: TransformerLM, units: range, first: bool, last: bool) -> None:
+        PipelineStage.__init__(self, first, last)
+        self.config = model.config
+        if first or last:
+            self.embed_tokens = model.embed_tokens
+        if first:
+            if model.config.positions == "learned":
+                self.embed_positions = model.embed_positions
+            self.dropout = model.dropout
+        self.layers = units_dict(model.layers, units)
+        if last:
+            self.final_norm = model.final_norm
+
+    def forward(self, *activations: torch.Tensor, src_tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(src_tokens) if self.first else activations[0]
+        rotary = self.rotary(x)
+        for layer in self.layers.values():
+            x = layer(x, rotary)
+        return self.head(x) if self.last else x.float()
+
+    def boundary(self, net_input: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        batch, length = net_input["src_tokens"].shape
+        return (torch.empty(batch, length, self.config.embed_dim, device="meta"),)

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
-from typing import TYPE_CHECKING, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Optional
 
 from torch import nn
 
 from hetfair.errors import ConfigError
 
 if TYPE_CHECKING:
+    from hetfair.parallel.pipeline_stage import PipelineStage
     from hetfair.tasks import Task
 
 
@@ -45,6 +46,15 @@ class HetfairModel(nn.Module):
         that share a parameter (tied embeddings) must stay in the same unit or in the rest.
         """
         return []
+
+    def pipeline_stage(self, units: range, first: bool, last: bool) -> Optional["PipelineStage"]:
+        """The part of this model that runs sharding units ``units`` (indices into :meth:`sharding_units`), with
+        its input layers when ``first`` and its output layers when ``last`` (``--ddp-backend pipeline``).
+
+        A family that can be pipelined returns a :class:`~hetfair.parallel.pipeline_stage.PipelineStage` built
+        from this model's own modules; the default, ``None``, refuses the mode for this model.
+        """
+        return None
 
     def export_hf(self, outdir: str, task: "Task") -> str:
         """Write this model as a Hugging Face ``transformers`` directory in ``outdir`` (``hetfair-export --to hf``)

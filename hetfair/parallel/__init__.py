@@ -13,7 +13,7 @@ STRATEGY_REGISTRY: Registry[type[Strategy]] = Registry(
     Strategy,
     entry_point_group="hetfair.strategies",
     builtin_modules=["hetfair.parallel.replicated", "hetfair.parallel.fully_sharded",
-                     "hetfair.parallel.hybrid_sharded", "hetfair.parallel.outer_loop"],
+                     "hetfair.parallel.hybrid_sharded", "hetfair.parallel.outer_loop", "hetfair.parallel.pipeline"],
     plural="strategies",
     reserved={"auto": "--ddp-backend auto lets the automatic plan choose a strategy"},
 )

@@ -73,6 +73,18 @@ class ParallelConfig:
     ddp_comm_hook: str = "none"
     """Replicated: a registered comm hook (:mod:`hetfair.parallel.comm_hook`; ``none``: DDP's own exact
     all-reduce) or ``auto``."""
+    pipeline_stages: int = 2
+    """Pipeline: the stages each pipeline's model is cut into (a rank runs one, or two with ``interleaved``)."""
+    pipeline_schedule: str = "1f1b"
+    """Pipeline: torch's schedule, ``gpipe``, ``1f1b`` or ``interleaved`` (two stages per rank)."""
+    pipeline_microbatches: int = 4
+    """Pipeline: the micro-batches each step's share of a pipeline is cut into (the stages of one pipeline agree)."""
+    pipeline_split: str = "even"
+    """Pipeline: sharding units per stage, ``even``, ``auto`` (by each stage's measured speed and memory) or
+    ``4,8`` by hand."""
+    pipeline_layout: str = "across"
+    """Pipeline: ``across`` puts stage s of every pipeline on consecutive ranks (a node holds a stage, pipelines
+    cross the nodes), ``inside`` a pipeline's stages on consecutive ranks."""
     comm_options: tuple[tuple[str, Any], ...] = ()
     """Every comm hook's own flags with their values (``("--powersgd-rank", 1), ...``); a flag not here takes
     its default."""
@@ -85,7 +97,10 @@ class ParallelConfig:
                    outer_reduce_dtype=args.outer_reduce_dtype,
                    inner_steps_by=args.inner_steps_by, reduce_dtype=args.reduce_dtype, shard_group_size=args.shard_group_size,
                    shard_fractions=parse_shard_fractions(args.shard_fractions),
-                   offload=bool(args.offload), ddp_comm_hook=args.ddp_comm_hook, comm_options=options_from_args(args))
+                   offload=bool(args.offload), ddp_comm_hook=args.ddp_comm_hook,
+                   pipeline_stages=args.pipeline_stages, pipeline_schedule=args.pipeline_schedule,
+                   pipeline_microbatches=args.pipeline_microbatches, pipeline_split=args.pipeline_split,
+                   pipeline_layout=args.pipeline_layout, comm_options=options_from_args(args))
 
     def shared_settings(self) -> dict[str, Any]:
         """The flags every rank must be given alike (their collectives differ otherwise), by flag."""
@@ -96,4 +111,6 @@ class ParallelConfig:
                 "--outer-reduce-dtype": self.outer_reduce_dtype, "--inner-steps-by": self.inner_steps_by,
                 "--reduce-dtype": self.reduce_dtype, "--shard-group-size": self.shard_group_size,
                 "--shard-fractions": self.shard_fractions,
-                "--ddp-comm-hook": self.ddp_comm_hook, **dict(self.comm_options)}
+                "--ddp-comm-hook": self.ddp_comm_hook, "--pipeline-stages": self.pipeline_stages,
+                "--pipeline-schedule": self.pipeline_schedule, "--pipeline-split": self.pipeline_split,
+                "--pipeline-layout": self.pipeline_layout, **dict(self.comm_options)}

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from hetfair.optim import HetfairOptimizer
     from hetfair.parallel.cost_model import Job, UpdateCost
     from hetfair.parallel.gradient_comm import GradientComm
+    from hetfair.parallel.pipeline import PipelineRun
 
 PlanRole = Literal["replicated", "sharded"]
 """The parts ``--ddp-backend auto`` chooses a mode for (:attr:`Strategy.plan_role`)."""
@@ -81,6 +82,12 @@ class Strategy:
         """Whether, with ``config``, the mode splits its optimizer state by :attr:`ParallelConfig.zero_shard_weights`
         (then budgets fill them in, :func:`hetfair.memory.plan.complete_parallel_config`)."""
         return False
+
+    @classmethod
+    def data_groups(cls, config: ParallelConfig, world_size: int) -> list[list[int]]:
+        """The ranks that load the same samples, group by group (each group one share of every step, the groups
+        in the order the batch plan shares to them): here each rank alone."""
+        return [[rank] for rank in range(world_size)]
 
     @classmethod
     def variant(cls, config: ParallelConfig) -> type["Strategy"]:
@@ -141,6 +148,15 @@ class Strategy:
     def holds_full_gradients(self) -> bool:
         """Whether every rank holds the whole reduced gradient after the backward (not a shard of it)."""
         return True
+
+    def micro_batches_per_step(self) -> int:
+        """The micro-batches this rank's share of each step is cut into (here one: ``--update-freq`` adds steps)."""
+        return 1
+
+    def micro_batch_runner(self) -> Optional["PipelineRun"]:
+        """Where the mode runs an update's micro-batches itself (a pipeline's schedule), what runs them;
+        ``None`` (here): the trainer runs each micro-batch's forward and backward."""
+        return None
 
     def gradient_sync(self, wrapped: nn.Module, is_last: bool) -> ContextManager[Any]:
         """The context of one micro-batch's forward and backward: gradients are reduced in the last one only."""

@@ -45,6 +45,8 @@ class TrainingLoop(RunReports):
     checkpointer: Checkpointer
     position: Position
     caps: list[int]
+    """Batch sizes of the ranks that load their own samples (:attr:`data_rank` indexes them)."""
+    data_rank: int
     shape: UpdateShape
     balancer: Optional[LoadBalancer]
     interval: IntervalStats
@@ -128,10 +130,11 @@ class TrainingLoop(RunReports):
 
     def _epoch_updates(self) -> EpochUpdates:
         schedule = EpochSchedule(self.caps, self.shape, self.config.loop.seed)
-        return EpochUpdates(self.train_data, self.task.collater, schedule, self.context.rank, self.position.epoch,
+        return EpochUpdates(self.train_data, self.task.collater, schedule, self.data_rank, self.position.epoch,
                             start=self.position.samples_done, split=self._current_split,
                             num_workers=self.config.data.num_workers, pin_memory=self.context.device.type == "cuda",
-                            inner_steps=self.trainer.strategy.inner_steps)
+                            inner_steps=self.trainer.strategy.inner_steps,
+                            pieces=self.trainer.strategy.micro_batches_per_step())
 
     def _current_split(self) -> Optional[list[int]]:
         """The per-rank shares of each global batch: the balancer's, else proportional to the batch sizes."""

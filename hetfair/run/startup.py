@@ -92,3 +92,14 @@ def _values_by_rank(flag: str, values: list[Any]) -> str | None:
         return None
     return flag + " " + ", ".join(f"{value} on rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"
                                   for value, ranks in by_value.items())
+
+
+def group_caps(caps: list[int], groups: list[list[int]], flag: str) -> list[int]:
+    """Batch sizes by data group (:meth:`Strategy.data_groups`: ranks that load the same samples) from ``caps`` by
+    rank; a group's ranks must have been given the same ``flag``, else one :class:`ConfigError`."""
+    differing = [group for group in groups if len({caps[rank] for rank in group}) > 1]
+    if differing:
+        given = ", ".join(f"{caps[rank]} on rank {rank}" for rank in differing[0])
+        raise ConfigError(f"ranks {', '.join(map(str, differing[0]))} load the same samples (the stages of one "
+                          f"pipeline) but were given different {flag} ({given}); give them the same {flag}")
+    return [caps[group[0]] for group in groups]

@@ -32,7 +32,8 @@ from hetfair.precision.mixed import job_loss_scaler
 from hetfair.rng import RngState
 from hetfair.run.config import DataConfig, LoopConfig
 from hetfair.run.loop import TrainingLoop
-from hetfair.run.startup import LOSS_SCALE, PARALLELISM, JobFacts, RankFacts, agree_at_start_up
+from hetfair.parallel import STRATEGY_REGISTRY
+from hetfair.run.startup import LOSS_SCALE, PARALLELISM, JobFacts, RankFacts, agree_at_start_up, group_caps
 from hetfair.run.state import BalancerPart, BatchPart, Position, TrainingClock
 from hetfair.run.validation import Validator
 from hetfair.run.wiring import Components, RunWiring
@@ -156,7 +157,14 @@ class TrainingRun(TrainingLoop):
         job = self._agree()
         self.precisions = job.precisions
         self.budget = job.budgets[context.rank]
-        self.caps = self._capped_at_dataset(job.train_caps)
+        groups = STRATEGY_REGISTRY.get(config.parallel.ddp_backend).data_groups(config.parallel, context.world_size)
+        self.data_rank = next(index for index, group in enumerate(groups) if context.rank in group)
+        if len(groups) < context.world_size and config.data.auto_balance:
+            raise ConfigError(f"--auto-balance moves samples between ranks that load their own, but with "
+                              f"--ddp-backend {config.parallel.ddp_backend} ranks share their samples; drop "
+                              f"--auto-balance")
+        self.caps = self._capped_at_dataset(group_caps(job.train_caps, groups, "--max-sentences"))
+        self.valid_caps = group_caps(job.valid_caps, groups, "--max-sentences-valid")
         self.nominal_shape = command_shape(config.data, self.caps)
         self.shape = fit_shape(config.data, self.nominal_shape, self.caps)
         self.balancer = self._new_balancer()
@@ -189,9 +197,10 @@ class TrainingRun(TrainingLoop):
         every rank: it is a collective)."""
         self.comm = self.trainer.strategy.gradient_comm()
         self.comm_part = CommStatePart(self.comm, self._notice) if self.comm and self.comm.keeps_state else None
-        self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, job.valid_caps,
+        self.validator = Validator(self.task, self.trainer.model, self.trainer.criterion, context, self.valid_caps,
                                    config.data.num_workers,
-                                   forward_every_batch=self.trainer.strategy.joins_every_micro_batch)
+                                   forward_every_batch=self.trainer.strategy.joins_every_micro_batch,
+                                   data_rank=self.data_rank, runner=self.trainer.strategy.micro_batch_runner())
         self.position = Position()
         self.clock = TrainingClock()
         self.tensorboard = TensorBoardLogger(config.loop.tensorboard_logdir, enabled=context.is_master)

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from contextlib import nullcontext
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -15,6 +16,9 @@ from hetfair.parallel.stats import sum_logs, sync_stats
 from hetfair.tasks import Task
 from hetfair.utils import move_to_device
 
+if TYPE_CHECKING:
+    from hetfair.parallel.pipeline import PipelineRun
+
 
 class Validator:
     """Sums the criterion's logs over a split, in order, each rank taking its share of every batch.
@@ -26,7 +30,8 @@ class Validator:
     """
 
     def __init__(self, task: Task, model: nn.Module, criterion: HetfairCriterion, context: DistributedContext,
-                 caps: Sequence[int], num_workers: int = 0, forward_every_batch: bool = False) -> None:
+                 caps: Sequence[int], num_workers: int = 0, forward_every_batch: bool = False,
+                 data_rank: Optional[int] = None, runner: Optional["PipelineRun"] = None) -> None:
         self.task = task
         self.model = model
         self.criterion = criterion
@@ -34,6 +39,10 @@ class Validator:
         self.caps = list(caps)
         self.num_workers = num_workers
         self.forward_every_batch = forward_every_batch  # a fully sharded model gathers in every forward
+        self.data_rank = context.rank if data_rank is None else data_rank
+        """Which share of each batch this rank loads (``caps`` are indexed by it: a pipeline's ranks share one)."""
+        self.runner = runner
+        """Where a pipeline runs the model: the criterion's logs come from its last stage."""
         self._log_keys: list[str] | None = None
 
     @torch.no_grad()
@@ -43,7 +52,7 @@ class Validator:
         totals = dict.fromkeys(self.log_keys(split), 0.0)  # a rank without data sends the same keys
         plan = BatchPlan(len(dataset), self.caps, seed=0, epoch=0, shuffle=False,
                          sizes=getattr(dataset, "sizes", None))
-        batches = RankBatches(dataset, self.task.collater, plan, self.context.rank, num_workers=self.num_workers,
+        batches = RankBatches(dataset, self.task.collater, plan, self.data_rank, num_workers=self.num_workers,
                               pin_memory=self.context.device.type == "cuda")
         for sample in batches:
             if sample is not None:
@@ -58,11 +67,27 @@ class Validator:
         if self._log_keys is None:
             dataset = self.task.dataset(split)
             with torch.no_grad():
-                self._log_keys = sorted(self._logs(self.task.collater([dataset[0]])))
+                logs = self._logs(self.task.collater([dataset[0]]))
+            self._log_keys = sorted(self.runner.agree_keys(logs) if self.runner is not None else logs)
         return self._log_keys
 
     def _logs(self, sample: dict[str, Any]) -> dict[str, Any]:
         self.model.eval()
         self.criterion.eval()
-        _, sample_size, logs = self.criterion(self.model, move_to_device(sample, self.context.device))
+        sample = move_to_device(sample, self.context.device)
+        if self.runner is not None:
+            return self._pipelined_logs(sample, self.runner)
+        _, sample_size, logs = self.criterion(self.model, sample)
         return {**logs, "sample_size": float(sample_size)}
+
+    def _pipelined_logs(self, sample: dict[str, Any], runner: "PipelineRun") -> dict[str, Any]:
+        """The logs of ``sample`` through a pipeline: the criterion's on its last stage, none elsewhere."""
+        found: dict[str, Any] = {}
+
+        def loss_of(output: Any, index: int) -> torch.Tensor:
+            loss, sample_size, logs = self.criterion(lambda **inputs: output, sample)
+            found.update(logs, sample_size=float(sample_size))
+            return loss
+
+        runner.run([self.criterion.model_inputs(sample)], loss_of, nullcontext, train=False)
+        return found

@@ -1,0 +1,310 @@
+"""``--ddp-backend pipeline``: the model cut into stages at its layers, one stage per rank of a pipeline.
+
+Over a slow link, every other mode sends the model's size in bytes per update (gradients,
+parameters or pseudo-gradients); a pipeline sends only the activations at its stage
+boundaries. The world's ranks form ``world / S`` pipelines of ``S`` ranks (``--pipeline-stages``),
+laid out by ``--pipeline-layout``; the stages of one pipeline load the same samples, and each
+pipeline its own share of every step (:meth:`data_groups`). Inside a pipeline, torch's schedules
+run the micro-batches (:mod:`hetfair.parallel.pipeline_schedule`); across pipelines, DDP
+averages each stage's gradients over its replicas. The update stays hetfair's: the criterion's
+summed losses on the last stage, the global sample count, one loss scale. A parameter two
+stages share (tied embeddings) has its two gradients summed. Checkpoints hold the whole model
+and optimizer in the plain format (:mod:`hetfair.parallel.pipeline_state`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable, ContextManager, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel
+
+from hetfair.errors import ConfigError
+from hetfair.parallel.pipeline_stage import PipelineStage as ModelStage
+from hetfair.parallel import register_strategy
+from hetfair.parallel.collectives import all_gather_ints, comm_device
+from hetfair.parallel.config import ParallelConfig
+from hetfair.parallel.context import DistributedContext
+from hetfair.parallel.pipeline_schedule import LossOf, PipelineRunner
+from hetfair.parallel.pipeline_split import (
+    balanced_split,
+    check_stages,
+    even_split,
+    parse_split,
+    pipelines,
+    stage_count,
+    unit_ranges,
+)
+from hetfair.parallel.pipeline_state import gather_model_state, gather_optimizer_state, local_optimizer_state
+from hetfair.parallel.strategy import Strategy, refusal_of_backend
+
+
+@register_strategy("pipeline")
+class PipelineStrategy(Strategy):
+    """torch.distributed.pipelining's schedules over the stages of each pipeline, DDP across the pipelines."""
+
+    owned_flags = ("--pipeline-stages", "--pipeline-schedule", "--pipeline-microbatches", "--pipeline-split",
+                   "--pipeline-layout")
+    compile_refusal = ("--compile cannot trace --ddp-backend pipeline's stages (torch's schedules call each stage "
+                       "per micro-batch); drop --compile")
+
+    @classmethod
+    def check_world(cls, config: ParallelConfig, world_size: int) -> None:
+        if world_size % config.pipeline_stages:
+            raise ConfigError(f"--pipeline-stages {config.pipeline_stages} does not divide the job's {world_size} "
+                              f"processes; start a multiple of {config.pipeline_stages} processes or change "
+                              f"--pipeline-stages")
+
+    @classmethod
+    def check_options(cls, config: ParallelConfig) -> None:
+        if config.pipeline_split not in ("even", "auto"):
+            counts = config.pipeline_split.split(",")
+            parse_split(config.pipeline_split, sum(int(c) if c.strip().isdigit() else 0 for c in counts),
+                        stage_count(config.pipeline_stages, config.pipeline_schedule))
+
+    @classmethod
+    def live_recovery_refusal(cls, config: ParallelConfig) -> Optional[str]:
+        return refusal_of_backend(config, "a lost process takes its stage's layers with it, which no other "
+                                          "process holds")
+
+    @classmethod
+    def data_groups(cls, config: ParallelConfig, world_size: int) -> list[list[int]]:
+        """Each pipeline's ranks: they load the same samples."""
+        return pipelines(world_size, config.pipeline_stages, config.pipeline_layout)
+
+    def __init__(self, config: ParallelConfig, context: DistributedContext) -> None:
+        super().__init__(config, context)
+        self.pipes = pipelines(context.world_size, config.pipeline_stages, config.pipeline_layout)
+        self.pipe = next(index for index, ranks in enumerate(self.pipes) if context.rank in ranks)
+        self.position = self.pipes[self.pipe].index(context.rank)
+        self.num_stages = stage_count(config.pipeline_stages, config.pipeline_schedule)
+        self.stage_indices = list(range(self.position, self.num_stages, config.pipeline_stages))
+        self.replicas = len(self.pipes)
+        self._pipe_group, self._replica_group, self._tied_group = self._groups()
+        self.microbatches = self._agreed_microbatches()
+        self.parts: list[ModelStage] = []
+        self.runner: Optional[PipelineRunner] = None
+        self._tied: list[nn.Parameter] = []  # this rank's copies of parameters another stage holds too
+        self._counted_once: list[bool] = []  # per param: counted in the clipping norm on this rank
+        self._full_keys: list[str] = []
+        self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
+        self._owners: dict[str, int] = {}
+        self._full_index: dict[int, int] = {}
+        self._num_full = 0
+
+    def _groups(self) -> tuple[Any, Any, Any]:
+        """This rank's pipeline, its stage's replicas and its pipeline's first-and-last pair (``None`` where one
+        process is the whole group). Every rank creates every group, in the same order."""
+        if not self.context.is_distributed:
+            return None, None, None
+        own: list[Any] = [None, None, None]
+        for pipe, ranks in enumerate(self.pipes):
+            group = dist.new_group(ranks)
+            if pipe == self.pipe:
+                own[0] = group
+        for position in range(self.config.pipeline_stages):
+            ranks = [pipe[position] for pipe in self.pipes]
+            group = dist.new_group(ranks) if len(ranks) > 1 else None
+            if position == self.position:
+                own[1] = group
+        for pipe, ranks in enumerate(self.pipes):
+            group = dist.new_group([ranks[0], ranks[-1]]) if len(ranks) > 1 else None
+            if pipe == self.pipe:
+                own[2] = group
+        return own[0], own[1], own[2]
+
+    def _agreed_microbatches(self) -> int:
+        """This pipeline's ``--pipeline-microbatches``: its processes must agree (pipelines may differ)."""
+        every = all_gather_ints(self.context, self.config.pipeline_microbatches)
+        mine = [every[rank] for rank in self.pipes[self.pipe]]
+        if len(set(mine)) > 1:
+            given = ", ".join(f"{value} on rank {rank}" for rank, value in zip(self.pipes[self.pipe], mine))
+            raise ConfigError(f"the processes of one pipeline were given different --pipeline-microbatches ({given}); "
+                              f"give a pipeline's processes the same value")
+        return mine[0]
+
+    # -- the model ----------------------------------------------------------------------------
+    def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
+        name = type(model).__name__
+        check_stages(len(units), self.num_stages, name)
+        counts = self._split(len(units))
+        ranges = unit_ranges(counts)
+        cut = getattr(model, "pipeline_stage", lambda units, first, last: None)  # a HetfairModel's
+        stages = [cut(units_range, first=index == 0, last=index == self.num_stages - 1)
+                  for index, units_range in enumerate(ranges)]
+        if any(stage is None for stage in stages):
+            raise ConfigError(f"--ddp-backend pipeline: model {name} cannot be cut into stages (its family defines "
+                              f"no pipeline_stage); use another --ddp-backend")
+        self.split = counts
+        self._index_state(model, stages)  # type: ignore[arg-type]
+        self.parts = [stages[index] for index in self.stage_indices]  # type: ignore[misc]
+        held = {id(param) for part in self.parts for param in part.parameters()}
+        holders: dict[int, int] = {}
+        for stage in stages:
+            for param in stage.parameters():  # type: ignore[union-attr]
+                holders[id(param)] = holders.get(id(param), 0) + 1
+        self._tied = [param for part in self.parts for param in part.parameters() if holders[id(param)] > 1]
+        first_stage_params = {id(param) for param in stages[0].parameters()}  # type: ignore[union-attr]
+        self._counted_once = [holders[id(param)] == 1 or 0 in self.stage_indices or id(param) not in
+                              first_stage_params for part in self.parts for param in part.parameters()]
+        _drop_others(model, held)
+
+    def _split(self, units: int) -> list[int]:
+        given = parse_split(self.config.pipeline_split, units, self.num_stages)
+        if given is not None:
+            return given
+        if self.config.pipeline_split == "even":
+            return even_split(units, self.num_stages)
+        return balanced_split(units, [1.0] * self.num_stages, [units] * self.num_stages)
+
+    def _index_state(self, model: nn.Module, stages: Sequence[ModelStage]) -> None:
+        """Which rank of the first pipeline sends each key of the whole state dict, and each parameter's index
+        in the whole model's order (the plain optimizer format's)."""
+        full = model.state_dict()
+        self._full_keys = list(full)
+        self._shapes = {key: (value.shape, value.dtype) for key, value in full.items()}
+        for index, stage in enumerate(stages):
+            owner = self.pipes[0][index % self.config.pipeline_stages]
+            for key in stage.state_dict():
+                self._owners.setdefault(key, owner)
+        params = [param for param in model.parameters() if param.requires_grad]
+        self._full_index = {id(param): index for index, param in enumerate(params)}
+        self._num_full = len(params)
+
+    def to_device(self, model: nn.Module) -> nn.Module:
+        return nn.ModuleList(self.parts).to(self.context.device)
+
+    def wrap(self, model: nn.Module) -> nn.Module:
+        modules = [self._data_parallel(PipelineRunner.wrap_autocast(part)) for part in self.parts]
+        group = self._pipe_group if self._pipe_group is not None else dist.group.WORLD
+        self.runner = PipelineRunner(self.parts, modules, self.stage_indices, self.num_stages,
+                                     self.config.pipeline_schedule, group, self.context)
+        return nn.ModuleList(modules)
+
+    def _data_parallel(self, module: nn.Module) -> nn.Module:
+        if self._replica_group is None:
+            return module
+        device = self.context.device
+        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
+                                       process_group=self._replica_group, broadcast_buffers=False)
+
+    # -- one update ---------------------------------------------------------------------------
+    def micro_batches_per_step(self) -> int:
+        return self.microbatches
+
+    def micro_batch_runner(self) -> Optional["PipelineRun"]:
+        return PipelineRun(self)
+
+    def agree_on_overflow(self, found_inf: torch.Tensor) -> None:
+        if self.context.is_distributed:
+            flag = found_inf.to(comm_device(self.context))
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            found_inf.copy_(flag)
+
+    def normalising_factor(self, total_sample_size: float, rank_sample_sizes: Sequence[float]) -> float:
+        return self.replicas / total_sample_size  # DDP averaged over the replicas
+
+    def sum_tied_gradients(self) -> None:
+        """Sum the gradients of the parameters two stages hold (after DDP has averaged each over the replicas)."""
+        if self._tied_group is None or not self._tied:
+            return
+        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in self._tied]
+        flat = torch.cat([grad.reshape(-1) for grad in grads]).to(comm_device(self.context))
+        dist.all_reduce(flat, group=self._tied_group)
+        offset = 0
+        for param, grad in zip(self._tied, grads):
+            param.grad = flat[offset:offset + grad.numel()].view_as(grad).to(grad.device)
+            offset += grad.numel()
+
+    def clip_grad_norm(self, params: Sequence[nn.Parameter], grads: list[torch.Tensor], owed: float,
+                       clip_norm: float) -> tuple[float, float]:
+        own = [param.grad for param, counted in zip(self.model_params(), self._counted_once)
+               if counted and param.grad is not None]
+        squares = torch.stack([norm.double() ** 2 for norm in torch._foreach_norm(own)]).sum() if own \
+            else torch.zeros((), dtype=torch.float64)
+        if self._pipe_group is not None:
+            squares = squares.to(comm_device(self.context))
+            dist.all_reduce(squares, group=self._pipe_group)
+        gnorm = math.sqrt(float(squares)) * owed
+        if clip_norm > 0:
+            return gnorm, owed * min(1.0, clip_norm / (gnorm + 1e-6))
+        return gnorm, owed
+
+    def model_params(self) -> list[nn.Parameter]:
+        return [param for part in self.parts for param in part.parameters()]
+
+    # -- checkpoint state ---------------------------------------------------------------------
+    def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        own = {key: value for part in self.parts for key, value in part.state_dict().items()}
+        return gather_model_state(self._full_keys, self._shapes, self._owners, own, self.context)
+
+    def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
+        missing = [key for key in self._full_keys if key not in state]
+        unexpected = [key for key in state if key not in self._owners]
+        if missing or unexpected:
+            raise RuntimeError(f"Error(s) in loading state_dict: missing keys {missing[:3]}, unexpected keys "
+                               f"{unexpected[:3]}")
+        for part in self.parts:
+            part.load_state_dict({key: state[key] for key in part.state_dict()})
+
+    def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                             params: Sequence[nn.Parameter]) -> Optional[dict[str, Any]]:
+        full_index = [self._full_index[id(param)] for param in params]
+        return gather_optimizer_state(optimizer, full_index, self._num_full, self.pipe == 0, self.context)
+
+    def load_optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
+                                  params: Sequence[nn.Parameter], state: dict[str, Any]) -> None:
+        full_index = [self._full_index[id(param)] for param in params]
+        optimizer.load_state_dict(local_optimizer_state(state, full_index))
+
+    # -- memory ---------------------------------------------------------------------------------
+    def state_shares(self, rank: int) -> tuple[float, float]:
+        share = self._stage_share(rank)
+        return share, share
+
+    def _stage_share(self, rank: int) -> float:
+        """The share of the model's units a rank's stages hold (the embeddings and head not counted)."""
+        if not getattr(self, "split", None):
+            return 1.0
+        position = next(ranks.index(rank) for ranks in self.pipes if rank in ranks)
+        mine = sum(self.split[index] for index in range(position, self.num_stages, self.config.pipeline_stages))
+        return mine / sum(self.split)
+
+
+class PipelineRun:
+    """What the trainer and the validator need of a pipeline for one batch of micro-batches."""
+
+    def __init__(self, strategy: PipelineStrategy) -> None:
+        self.strategy = strategy
+
+    @property
+    def computes_loss(self) -> bool:
+        """Whether this rank's logs and sample counts are the pipeline's (it holds the last stage)."""
+        assert self.strategy.runner is not None
+        return self.strategy.runner.holds_last_stage
+
+    def run(self, inputs: Sequence[dict[str, Any]], loss: LossOf,
+            forward_context: Callable[[], ContextManager[Any]], train: bool = True) -> None:
+        assert self.strategy.runner is not None
+        self.strategy.runner.run(inputs, loss, forward_context, train)
+        if train:
+            self.strategy.sum_tied_gradients()
+
+    def agree_keys(self, logs: dict[str, Any]) -> dict[str, Any]:
+        assert self.strategy.runner is not None
+        return self.strategy.runner.agree_keys(logs)
+
+
+def _drop_others(model: nn.Module, held: set[int]) -> None:
+    """Move the parameters and buffers this rank's stages do not hold to the meta device (their shapes stay known;
+    a tensor shared by two modules stays shared)."""
+    replaced: dict[int, nn.Parameter] = {}
+    for module in model.modules():
+        for name, param in list(module._parameters.items()):
+            if param is not None and id(param) not in held:
+                if id(param) not in replaced:
+                    replaced[id(param)] = nn.Parameter(param.detach().to("meta"), requires_grad=param.requires_grad)
+                module._parameters[name] = replaced[id(param)]

@@ -1,0 +1,38 @@
+"""The :class:`PipelineStage` base: one stage of a model cut for ``--ddp-backend pipeline``.
+
+A model family that can be pipelined returns one from :meth:`HetfairModel.pipeline_stage`:
+the model's own modules for a range of its sharding units, plus its input layers on the
+first stage and its output layers on the last. The stage keeps each module under the
+name it has in the model (units in a ``ModuleDict`` keyed by their index), so its
+``state_dict`` keys are the whole model's and checkpoints move to and from every mode.
+A parameter two stages share (tied input and output embeddings) is one tensor in the
+model and a copy on each of the two stages, kept equal by summing their gradients.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class PipelineStage(nn.Module):
+    """One stage: ``forward(*activations, **net_input)``. The first stage ignores ``activations`` and reads the
+    sample's ``net_input``; every stage but the last returns the activations for the next one (float32 tensors of
+    the shapes :meth:`boundary` gives); the last returns what the whole model's forward returns."""
+
+    def __init__(self, first: bool, last: bool) -> None:
+        super().__init__()
+        self.first = first
+        self.last = last
+
+    def boundary(self, net_input: dict[str, Any]) -> tuple[torch.Tensor, ...]:
+        """Tensors on the meta device shaped as the activations that cross a stage boundary for a micro-batch
+        with ``net_input`` (the same between any two stages)."""
+        raise NotImplementedError
+
+
+def units_dict(units: nn.ModuleList, indices: range) -> nn.ModuleDict:
+    """The units ``indices`` of ``units`` under their index, so their ``state_dict`` keys are the model's."""
+    return nn.ModuleDict({str(index): units[index] for index in indices})
