@@ -60,9 +60,10 @@ def commands(tmp_path: Path, data: Path, max_tokens: list[int]) -> list[list[str
             for rank, tokens in enumerate(max_tokens)]
 
 
-def reference_parameters(data: Path, docs: list[str], layers: int = TINY["layers"], epochs: int = 1
-                         ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-    """The initial and the final parameters of the plain loop (a model of ``layers`` layers, ``epochs`` epochs)."""
+def reference_parameters(data: Path, docs: list[str], layers: int = TINY["layers"], epochs: int = 1,
+                         momentum: float = 0.0) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """The initial and the final parameters of the plain loop (a model of ``layers`` layers, ``epochs`` epochs, SGD
+    with ``momentum``)."""
     stream = torch.from_numpy(reference_stream(data / "tokenizer.json", docs))
     sources, targets = stream[:-1].split(BLOCK), stream[1:].split(BLOCK)
     vocab_size = Tokenizer.from_file(str(data / "tokenizer.json")).get_vocab_size()
@@ -70,7 +71,7 @@ def reference_parameters(data: Path, docs: list[str], layers: int = TINY["layers
     model = TransformerLM(LMConfig(vocab_size=vocab_size, max_positions=BLOCK, dropout=0.0, attention_dropout=0.0,
                                    **{**TINY, "layers": layers}))
     initial = {name: value.clone() for name, value in model.state_dict().items()}
-    optimizer = torch.optim.SGD(model.parameters(), lr=LR)
+    optimizer = torch.optim.SGD(model.parameters(), lr=LR, momentum=momentum)
     update = sum(BLOCKS_PER_RANK) * UPDATE_FREQ
     for epoch in range(1, epochs + 1):
         order = np.random.default_rng([SEED, epoch]).permutation(len(sources))

@@ -56,10 +56,14 @@ def pipeline(stages: int, *extra: str) -> list[str]:
 
 
 CASES = {  # name: per-rank blocks per micro-batch, per-rank flags; every case 12 blocks per step, as the reference
-    "two_stages_1f1b": ([12, 12], [pipeline(2, "--pipeline-microbatches", "4")] * 2),
+    # the first stage recomputes its layers' activations in the backward, the second keeps them
+    "two_stages_1f1b": ([12, 12], [pipeline(2, "--pipeline-microbatches", "4", "--activation-checkpointing", on)
+                                   for on in ("1", "0")]),
     "three_uneven_gpipe": ([12] * 3, [pipeline(3, "--pipeline-split", "1,2,1", "--pipeline-schedule", "gpipe",
                                                "--pipeline-microbatches", "3")] * 3),
     "interleaved": ([12, 12], [pipeline(2, "--pipeline-schedule", "interleaved", "--pipeline-microbatches", "4")] * 2),
+    "auto_split": ([12, 12], [pipeline(2, "--pipeline-split", "auto", "--pipeline-microbatches", "2",
+                                       "--log-format", "simple")] * 2),
     # two pipelines of two stages (--pipeline-layout across: ranks 0, 2 and 1, 3), 4 and 8 blocks, 2 and 4
     # micro-batches
     "two_pipelines_uneven": ([4, 8, 4, 8], [pipeline(2, "--pipeline-split", "3,1", "--pipeline-microbatches", m)
@@ -70,8 +74,12 @@ CASES = {  # name: per-rank blocks per micro-batch, per-rank flags; every case 1
 def test_every_split_schedule_and_data_parallel_shape_trains_as_the_plain_loop(tmp_path, corpus):
     data, docs = corpus
     jobs = [command for name, (blocks, flags) in CASES.items() for command in job(tmp_path, data, name, blocks, flags)]
-    for result in run_nodes(jobs, cwd=tmp_path, timeout=300):
+    results = run_nodes(jobs, cwd=tmp_path, timeout=300)
+    for result in results:
         assert result.returncode == 0, result.stderr[-2000:]
+    auto = next(result for result in results if "auto" in result.args)  # rank 0 of the auto_split job
+    stages = [line for line in auto.stderr.splitlines() if "plan | pipeline stage" in line]
+    assert len(stages) == 2 and all("ms per micro-batch of 6 (predicted)" in line for line in stages), auto.stderr
     initial, expected = reference_parameters(data, docs, layers=LAYERS)
     moved = max(float((expected[name] - initial[name]).abs().max()) for name in expected)
     assert moved > 1e-2, "the updates must move the parameters far beyond the tolerance"
@@ -80,3 +88,45 @@ def test_every_split_schedule_and_data_parallel_shape_trains_as_the_plain_loop(t
         assert got.keys() == expected.keys(), case
         for name in expected:  # float32 sums in other orders differ by about 1e-7
             torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=f"{case}: {name}")
+
+
+def test_checkpoints_resume_on_another_split_and_to_and_from_replicated_training(tmp_path, corpus):
+    """Epoch 1 with a 3,1 split and with plain c10d on one process; epoch 2 resumes each on the other (and the
+    pipeline on a 1,3 split); with SGD momentum, so the optimizer state must travel too."""
+    data, docs = corpus
+    momentum = ["--momentum", "0.9"]
+    split = lambda counts: [pipeline(2, "--pipeline-split", counts, "--pipeline-microbatches", "3")] * 2  # noqa: E731
+    first = [*job(tmp_path, data, "pipe_3_1", [12, 12], split("3,1"), *momentum),
+             *job(tmp_path, data, "c10d", [12], [[]], *momentum)]
+    for result in run_nodes(first, cwd=tmp_path, timeout=300):
+        assert result.returncode == 0, result.stderr[-2000:]
+    restore = lambda name: ["--restore-file", str(tmp_path / name / "checkpoint_last.pt")]  # noqa: E731
+    second = {"pipe_1_3": ([12, 12], split("1,3"), "pipe_3_1"), "from_c10d": ([12, 12], split("even"), "c10d"),
+              "to_c10d": ([12], [[]], "pipe_3_1")}
+    jobs = [command for name, (blocks, flags, source) in second.items()
+            for command in job(tmp_path, data, name, blocks, flags, *momentum, *restore(source), max_epoch=2)]
+    for result in run_nodes(jobs, cwd=tmp_path, timeout=300):
+        assert result.returncode == 0, result.stderr[-2000:]
+    _, expected = reference_parameters(data, docs, layers=LAYERS, epochs=2, momentum=0.9)
+    for case in second:
+        got = final_parameters(tmp_path / case)
+        for name in expected:
+            torch.testing.assert_close(got[name], expected[name], rtol=1e-5, atol=1e-5, msg=f"{case}: {name}")
+
+
+def test_each_stage_runs_its_own_precision_under_the_jobs_one_loss_scale(tmp_path, corpus):
+    """Stage 0 in bf16, stage 1 in fp16: one loss scale for the job (fp16 is present), the update within
+    autocast's rounding of the fp32 loop's. Tolerance 2e-2: the half-precision matmuls round each activation to
+    8 (bf16) or 11 (fp16) bits of mantissa, about 4e-3 and 5e-4 relative, and the parameters move by about 0.5
+    over the run; a wrong loss scale (gradients off by the scale, 128) or a lost stage's gradient fails it."""
+    data, docs = corpus
+    flags = [pipeline(2, "--pipeline-microbatches", "4", "--precision", precision) for precision in ("bf16", "fp16")]
+    [*results] = run_nodes(job(tmp_path, data, "mixed", [12, 12], flags, "--log-format", "json"), cwd=tmp_path,
+                           timeout=300)
+    for result in results:
+        assert result.returncode == 0, result.stderr[-2000:]
+    assert '"loss_scale"' in results[0].stdout + results[0].stderr, "fp16 on one stage gives the job a loss scale"
+    initial, expected = reference_parameters(data, docs, layers=LAYERS)
+    got = final_parameters(tmp_path / "mixed")
+    for name in expected:
+        torch.testing.assert_close(got[name], expected[name], rtol=2e-2, atol=2e-2, msg=name)

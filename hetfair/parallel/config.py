@@ -85,6 +85,13 @@ class ParallelConfig:
     pipeline_layout: str = "across"
     """Pipeline: ``across`` puts stage s of every pipeline on consecutive ranks (a node holds a stage, pipelines
     cross the nodes), ``inside`` a pipeline's stages on consecutive ranks."""
+    rank_speeds: Optional[tuple[float, ...]] = None
+    """Each rank's samples per second through the whole model, measured at start-up where the strategy wants them
+    (:meth:`Strategy.wants_rank_speeds`: ``--pipeline-split auto``); ``None``: not measured."""
+    rank_budgets: Optional[tuple[Optional[int], ...]] = None
+    """With :attr:`rank_speeds`: each rank's memory budget in bytes (``None``: none known)."""
+    optimizer_ratio: float = 0.0
+    """With :attr:`rank_speeds`: the optimizer's state per byte of parameters."""
     comm_options: tuple[tuple[str, Any], ...] = ()
     """Every comm hook's own flags with their values (``("--powersgd-rank", 1), ...``); a flag not here takes
     its default."""

@@ -35,7 +35,9 @@ from hetfair.parallel.pipeline_split import (
     even_split,
     parse_split,
     pipelines,
+    stage_capacities,
     stage_count,
+    stage_rates,
     unit_ranges,
 )
 from hetfair.parallel.pipeline_state import gather_model_state, gather_optimizer_state, local_optimizer_state
@@ -71,6 +73,10 @@ class PipelineStrategy(Strategy):
                                           "process holds")
 
     @classmethod
+    def wants_rank_speeds(cls, config: ParallelConfig) -> bool:
+        return config.pipeline_split == "auto"
+
+    @classmethod
     def data_groups(cls, config: ParallelConfig, world_size: int) -> list[list[int]]:
         """Each pipeline's ranks: they load the same samples."""
         return pipelines(world_size, config.pipeline_stages, config.pipeline_layout)
@@ -94,6 +100,8 @@ class PipelineStrategy(Strategy):
         self._owners: dict[str, int] = {}
         self._full_index: dict[int, int] = {}
         self._num_full = 0
+        self._stage_bytes: list[int] = []
+        self.split: list[int] = []
 
     def _groups(self) -> tuple[Any, Any, Any]:
         """This rank's pipeline, its stage's replicas and its pipeline's first-and-last pair (``None`` where one
@@ -119,6 +127,7 @@ class PipelineStrategy(Strategy):
     def _agreed_microbatches(self) -> int:
         """This pipeline's ``--pipeline-microbatches``: its processes must agree (pipelines may differ)."""
         every = all_gather_ints(self.context, self.config.pipeline_microbatches)
+        self.every_microbatches = [every[ranks[0]] for ranks in self.pipes]
         mine = [every[rank] for rank in self.pipes[self.pipe]]
         if len(set(mine)) > 1:
             given = ", ".join(f"{value} on rank {rank}" for rank, value in zip(self.pipes[self.pipe], mine))
@@ -130,7 +139,7 @@ class PipelineStrategy(Strategy):
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
         name = type(model).__name__
         check_stages(len(units), self.num_stages, name)
-        counts = self._split(len(units))
+        counts = self._split(model, units)
         ranges = unit_ranges(counts)
         cut = getattr(model, "pipeline_stage", lambda units, first, last: None)  # a HetfairModel's
         stages = [cut(units_range, first=index == 0, last=index == self.num_stages - 1)
@@ -139,6 +148,7 @@ class PipelineStrategy(Strategy):
             raise ConfigError(f"--ddp-backend pipeline: model {name} cannot be cut into stages (its family defines "
                               f"no pipeline_stage); use another --ddp-backend")
         self.split = counts
+        self._stage_bytes = [_parameter_bytes(stage) for stage in stages]  # type: ignore[arg-type]
         self._index_state(model, stages)  # type: ignore[arg-type]
         self.parts = [stages[index] for index in self.stage_indices]  # type: ignore[misc]
         held = {id(param) for part in self.parts for param in part.parameters()}
@@ -152,13 +162,24 @@ class PipelineStrategy(Strategy):
                               first_stage_params for part in self.parts for param in part.parameters()]
         _drop_others(model, held)
 
-    def _split(self, units: int) -> list[int]:
-        given = parse_split(self.config.pipeline_split, units, self.num_stages)
+    def _split(self, model: nn.Module, units: Sequence[nn.Module]) -> list[int]:
+        given = parse_split(self.config.pipeline_split, len(units), self.num_stages)
         if given is not None:
             return given
         if self.config.pipeline_split == "even":
-            return even_split(units, self.num_stages)
-        return balanced_split(units, [1.0] * self.num_stages, [units] * self.num_stages)
+            return even_split(len(units), self.num_stages)
+        return balanced_split(len(units), self._stage_rates(), self._stage_capacities(model, units),
+                              (0.0, _head_work(model, units)))
+
+    def _stage_rates(self) -> list[float]:
+        return stage_rates(self.config.rank_speeds or (1.0,) * self.context.world_size, self.pipes, self.num_stages)
+
+    def _stage_capacities(self, model: nn.Module, units: Sequence[nn.Module]) -> list[int]:
+        ratio = 2 + self.config.optimizer_ratio  # parameters, gradients and the optimizer's state
+        unit = max(_parameter_bytes(unit) for unit in units) * ratio
+        ends = (_parameter_bytes(model) - sum(_parameter_bytes(unit) for unit in units)) * ratio
+        return stage_capacities(self.config.rank_budgets or (None,) * self.context.world_size, self.pipes,
+                                self.num_stages, unit, ends, len(units))
 
     def _index_state(self, model: nn.Module, stages: Sequence[ModelStage]) -> None:
         """Which rank of the first pipeline sends each key of the whole state dict, and each parameter's index
@@ -236,6 +257,26 @@ class PipelineStrategy(Strategy):
     def model_params(self) -> list[nn.Parameter]:
         return [param for part in self.parts for param in part.parameters()]
 
+    def plan_lines(self, caps: Sequence[int]) -> list[str]:
+        """One line per stage: its layers, ranks, predicted seconds per micro-batch (with measured speeds) and the
+        state its parameters need (parameters, gradients, optimizer state)."""
+        speeds, ratio = self.config.rank_speeds, self.config.optimizer_ratio
+        ranges = unit_ranges(self.split)
+        rates = self._stage_rates()
+        lines = []
+        for stage, units in enumerate(ranges):
+            position = stage % self.config.pipeline_stages
+            ranks = [pipe[position] for pipe in self.pipes]
+            samples = max(cap / count for cap, count in zip(caps, self.every_microbatches))
+            share = len(units) / sum(self.split)
+            timing = f"{samples * share / rates[stage] * 1000:.1f} ms per micro-batch of {samples:g} (predicted)" \
+                if speeds else "time not measured (--pipeline-split auto measures it)"
+            state = self._stage_bytes[stage] * (2 + ratio) if ratio else self._stage_bytes[stage] * 2
+            lines.append(f"plan | pipeline stage {stage}: layers {units.start}-{units.stop - 1} ({len(units)}) on "
+                         f"rank{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))} | {timing} | state "
+                         f"{state / 2**20:.1f} MiB")
+        return lines
+
     # -- checkpoint state ---------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
         own = {key: value for part in self.parts for key, value in part.state_dict().items()}
@@ -296,6 +337,18 @@ class PipelineRun:
     def agree_keys(self, logs: dict[str, Any]) -> dict[str, Any]:
         assert self.strategy.runner is not None
         return self.strategy.runner.agree_keys(logs)
+
+
+def _parameter_bytes(module: nn.Module) -> int:
+    return sum(param.numel() * param.element_size() for param in module.parameters())
+
+
+def _head_work(model: nn.Module, units: Sequence[nn.Module]) -> float:
+    """The last stage's output layers in units of one layer's work, estimated by the weights each multiplies a
+    token by (a layer's are its parameters; the output projection's are the embeddings it scores against):
+    the model's parameters outside its units, over a unit's."""
+    unit = sum(_parameter_bytes(unit) for unit in units) / len(units)
+    return max(0.0, _parameter_bytes(model) - len(units) * unit) / unit
 
 
 def _drop_others(model: nn.Module, held: set[int]) -> None:

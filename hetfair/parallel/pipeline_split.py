@@ -99,6 +99,32 @@ def balanced_split(units: int, rates: Sequence[float], capacities: Sequence[int]
     return best[(stages, units)][1]
 
 
+def stage_rates(speeds: Sequence[float], pipes: Sequence[Sequence[int]], num_stages: int) -> list[float]:
+    """Each stage's speed for :func:`balanced_split`: the slowest measured ``speeds`` (by rank) among the ranks at
+    its position in the ``pipes`` (stage s runs at position ``s % len(pipe)``)."""
+    width = len(pipes[0])
+    at = [min(speeds[pipe[position]] for pipe in pipes) for position in range(width)]
+    return [at[stage % width] for stage in range(num_stages)]
+
+
+def stage_capacities(budgets: Sequence[Optional[int]], pipes: Sequence[Sequence[int]], num_stages: int,
+                     unit_bytes: float, end_bytes: float, units: int) -> list[int]:
+    """The units each stage's state fits: its position's smallest budget (by rank) less ``end_bytes`` (the
+    embeddings and head, which the first and last stage hold), over ``unit_bytes`` (a unit's parameters, gradients
+    and optimizer state), shared by the stages a rank runs; all ``units`` where a budget is unknown."""
+    width = len(pipes[0])
+    per_rank = num_stages // width
+    capacities = []
+    for stage in range(num_stages):
+        known = [budgets[pipe[stage % width]] for pipe in pipes]
+        if any(budget is None for budget in known):
+            capacities.append(units)
+        else:
+            room = min(int(budget) for budget in known if budget is not None) - end_bytes
+            capacities.append(max(0, int(room // (unit_bytes * per_rank))))
+    return capacities
+
+
 def unit_ranges(counts: Sequence[int]) -> list[range]:
     """Each stage's units as a range of unit indices."""
     starts = [sum(counts[:stage]) for stage in range(len(counts))]

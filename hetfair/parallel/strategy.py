@@ -84,6 +84,12 @@ class Strategy:
         return False
 
     @classmethod
+    def wants_rank_speeds(cls, config: ParallelConfig) -> bool:
+        """Whether the mode sizes its parts by each rank's measured speed and budget
+        (:attr:`ParallelConfig.rank_speeds`, filled in at start-up before the model is sharded)."""
+        return False
+
+    @classmethod
     def data_groups(cls, config: ParallelConfig, world_size: int) -> list[list[int]]:
         """The ranks that load the same samples, group by group (each group one share of every step, the groups
         in the order the batch plan shares to them): here each rank alone."""
@@ -247,6 +253,11 @@ class Strategy:
     def largest_gathered_unit_bytes(self) -> int:
         """The parameter bytes of the largest unit gathered whole for compute (0: the whole model is held)."""
         return 0
+
+    def plan_lines(self, caps: Sequence[int]) -> list[str]:
+        """Lines for the ``plan |`` table about how the mode split the model (``caps``: each data group's
+        micro-batch, :meth:`data_groups`); here none."""
+        return []
 
     def shard_report(self, optimizer: torch.optim.Optimizer) -> dict[str, float]:
         """Per-rank sizes worth logging once after the first update (a collective where there are any)."""
