@@ -156,6 +156,11 @@ class Trainer:
         self._last_seconds = 0.0  # this rank's compute seconds of the last update: they travel with the next
         self._last_samples: list[float] = []  # every rank's samples of the last update (empty: none yet)
 
+    @property
+    def dummy_batch(self) -> dict[str, Any]:
+        """The one-sample batch a rank without samples runs with zero weight."""
+        return self._dummy_batch
+
     # -- training --------------------------------------------------------------
     def train_step(self, samples: list[Optional[dict[str, Any]]]) -> Optional[UpdateResult]:
         """One update over this rank's micro-batches (``None``: no data for that step).

@@ -9,6 +9,7 @@ and a run stopped and resumed from its checkpoint with one that was not.
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 import math
 import re
 from pathlib import Path
@@ -256,6 +257,19 @@ def test_the_outer_loop_is_suggested_where_even_the_fastest_hook_takes_several_u
                      "--outer-reduce-dtype int4 in place of --ddp-comm-hook and its flags")
     assert fit_outer_loop(LINK, 0.0001).fits is False  # int4 every 64 updates: 53 ms against 6.4 ms
     assert len(advise(LINK, 0.01, "auto").lines()) == 1  # 20 ms is 2x the compute: PowerSGD will do
+
+
+def test_a_pipeline_is_suggested_where_its_activations_are_fewer_bytes_than_the_gradients():
+    """4 MB of gradients, each rank sending 4 MB in 0.4 s (10 MB/s): a pipeline whose boundary carries 1 MB each
+    way takes ~100 ms and is suggested; one carrying 5 MB is not, nor is any on a link that is not the bound."""
+    pipelined = replace(LINK, boundary_bytes=1_000_000)
+    assert advise(pipelined, 0.1, "none").lines()[-1] == (
+        "comm | a pipeline of one stage per node would send 1 MB each way per update (the activations at a stage "
+        "boundary, and their gradients back; ~100 ms) against the all-reduce's 4 MB, and stay exact; try "
+        "--ddp-backend pipeline --pipeline-stages 2 in place of --ddp-comm-hook and its flags")
+    assert not any("pipeline" in line for line in advise(replace(LINK, boundary_bytes=5_000_000), 0.1,
+                                                            "none").lines())
+    assert not any("pipeline" in line for line in advise(pipelined, 10.0, "none").lines())  # not bandwidth-bound
 
 
 def test_auto_on_a_slow_link_switches_to_powersgd_and_suggests_the_outer_loop_that_runs_as_typed(make_network,

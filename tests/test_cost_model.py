@@ -152,3 +152,37 @@ def test_with_accumulation_only_the_last_micro_batch_hides_the_all_reduce() -> N
     assert cm.replicated(four).seconds == pytest.approx(0.4 + max(all_reduce / 16, all_reduce - 2 / 3 * 0.1) + 2e-4)
     gather = 4 * 1e-4 + 0.5 * 4e8 / 1e8
     assert cm.fully_sharded(four).communication == pytest.approx(9 * gather + 2e-4)  # 2 gathers x 4, 1 scatter
+
+
+PIPELINED = replace(MODEL, boundary_bytes=100_000)  # 100 kB of activations a sample at a stage boundary
+
+
+def test_a_pipeline_waits_for_its_bubble_and_sends_activations_not_gradients() -> None:
+    """Two nodes, one stage each (half the layers), the pipeline's 20 samples in 4 micro-batches of 5: a slot is
+    a stage's 5 x 0.5 x 10 ms = 25 ms and, on CPUs, the boundary's 500 kB each way (2 x (0.1 ms + 5 ms)); the last
+    micro-batch leaves after 4 + 2 - 1 slots. The tied embeddings (the 1 MB outside the 3 units of 1 MB) are
+    summed between the two stages, and the statistics all-reduced."""
+    cost = cm.pipeline(job(model=PIPELINED), stages=2, microbatches=4, shares=[0.5, 0.5])
+    slot = 0.025 + 2 * (1e-4 + 5e5 / 1e8)
+    tied, stats = 2e-4 + 1e6 / 1e8, 2e-4
+    assert cost.compute == pytest.approx(0.1)  # the stages' forward and backward, as one rank's of 20 samples
+    assert cost.seconds == pytest.approx(5 * slot + tied + stats)
+    assert cost.network_bytes == pytest.approx(2 * 20 * 1e5 + 2e6)  # 2 MB of activations each way, far below 4 MB
+    assert cost.state_memory == (int((2e6 + 1e6) * 4), int((2e6 + 1e6) * 4))  # half the units, and the ends
+
+
+def test_on_gpus_a_pipeline_slot_is_the_longer_of_compute_and_transfer() -> None:
+    cost = cm.pipeline(job(model=PIPELINED, overlaps=True), stages=2, microbatches=4, shares=[0.5, 0.5])
+    assert cost.seconds == pytest.approx(5 * 0.025 + 2e-4 + 1e6 / 1e8 + 2e-4)
+
+
+def test_uneven_stages_put_more_layers_on_the_faster_node() -> None:
+    """Node 1 twice as fast: of 4 layers the auto split gives it 3 (even: 2), and the slowest slot shrinks."""
+    ranks = (cm.Rank(0, 0.02, 10**9, None, 10), cm.Rank(1, 0.01, 10**9, None, 10))
+    slow_fast = cm.Job(replace(PIPELINED, units=5), ranks, (INSIDE,) * 2, NETWORK, False)
+    pipeline = STRATEGY_REGISTRY.get("pipeline")
+    even, auto = (pipeline.predict(ParallelConfig("pipeline", pipeline_split=how, pipeline_microbatches=4), slow_fast)
+                  for how in ("even", "auto"))
+    assert {config.pipeline_split for config in pipeline.cost_variants("pipeline", slow_fast)} == {"even", "auto"}
+    assert auto.seconds < even.seconds
+    assert pipeline.cost_variants("pipeline", job()) == []  # a model without a stage boundary is not weighed

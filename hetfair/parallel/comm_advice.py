@@ -91,6 +91,9 @@ class LinkMeasurement:
     """Values of the trainable parameters: what an outer-loop round exchanges."""
     world_size: int
     """The job's ranks: each sends its share of every all-reduce and its whole payload to every all-gather."""
+    boundary_bytes: float = 0.0
+    """Bytes a pipeline of one stage per node would send over the link each way per update: the activations of
+    this rank's samples at one stage boundary (0: the model cannot be pipelined)."""
 
     @property
     def bandwidth(self) -> float:
@@ -119,6 +122,14 @@ class LinkMeasurement:
         sent = next(hook.sent for hook in self.hooks if hook.name == mode)
         return all_reduce(self.link, sent * self.gradient_bytes, self.world_size)
 
+    def pipeline_seconds(self) -> float:
+        """Seconds the pipeline's activations (and, the other way, their gradients) take over :attr:`link`."""
+        return send_to_all(self.link, self.boundary_bytes, 2)
+
+    def gradient_bytes_sent(self) -> float:
+        """Bytes each rank sends in the exact all-reduce: its ring's ``2 (w - 1) / w`` of the gradients."""
+        return 2 * (self.world_size - 1) / self.world_size * self.gradient_bytes
+
     def is_lossy(self, mode: str) -> bool:
         return any(hook.lossy for hook in self.hooks if hook.name == mode)
 
@@ -144,8 +155,25 @@ class CommAdvice:
     """Where no hook will do (:data:`OUTER_RATIO`): the outer loop's settings that fit the link."""
 
     def lines(self) -> list[str]:
-        """Every ``comm |`` line: the hooks' choices, the verdict, and where no hook will do the outer loop's."""
-        return [*self.notes, self.line(), *([self.outer.line(self)] if self.outer is not None else [])]
+        """Every ``comm |`` line: the hooks' choices, the verdict, where no hook will do the outer loop's, and
+        where a pipeline would send fewer bytes than the gradients, the pipeline's."""
+        return [*self.notes, self.line(), *([self.outer.line(self)] if self.outer is not None else []),
+                *([self.pipeline_line()] if self.suggests_pipeline else [])]
+
+    @property
+    def suggests_pipeline(self) -> bool:
+        """Bandwidth-bound, and a pipeline's activations are fewer bytes than the exact all-reduce sends."""
+        link = self.link
+        return self.bound and 0 < link.boundary_bytes < link.gradient_bytes_sent()
+
+    def pipeline_line(self) -> str:
+        """The ``comm |`` line that suggests a pipeline of one stage per node (exact, like the all-reduce)."""
+        link = self.link
+        return (f"comm | a pipeline of one stage per node would send {_megabytes(link.boundary_bytes)} each way per "
+                f"update (the activations at a stage boundary, and their gradients back; ~"
+                f"{milliseconds(link.pipeline_seconds())}) against the all-reduce's "
+                f"{_megabytes(link.gradient_bytes_sent())}, and stay exact; try --ddp-backend pipeline "
+                f"--pipeline-stages {link.nodes} in place of --ddp-comm-hook and its flags")
 
     def line(self) -> str:
         """The one ``comm |`` line."""

@@ -109,6 +109,11 @@ class ParallelConfig:
                    pipeline_microbatches=args.pipeline_microbatches, pipeline_split=args.pipeline_split,
                    pipeline_layout=args.pipeline_layout, comm_options=options_from_args(args))
 
+    def settings(self) -> dict[str, Any]:
+        """Every flag of this section that a command gives, by flag: :meth:`shared_settings` and those a process
+        may give on its own (``--pipeline-microbatches``: pipelines may differ)."""
+        return {**self.shared_settings(), "--pipeline-microbatches": self.pipeline_microbatches}
+
     def shared_settings(self) -> dict[str, Any]:
         """The flags every rank must be given alike (their collectives differ otherwise), by flag."""
         return {"--ddp-backend": self.ddp_backend, "--zero-sharding": self.zero_sharding,

@@ -1,7 +1,7 @@
 """What one update costs in each mode: compute, communication, memory, predicted before a GPU-hour is spent.
 
 One function per strategy (:func:`replicated`, :func:`fully_sharded`, :func:`uneven_sharded`,
-:func:`hybrid_sharded`, :func:`outer_loop`); each strategy names its own through
+:func:`hybrid_sharded`, :func:`outer_loop`, :func:`pipeline`); each strategy names its own through
 :meth:`hetfair.parallel.Strategy.predict`, so the cluster plan (:mod:`hetfair.plan.cluster_plan`)
 never asks which mode runs. Every function takes a :class:`Job` (the model's costs, each rank's
 device speed, memory and batch, the links) and returns an :class:`UpdateCost`.
@@ -112,6 +112,8 @@ class ModelCost:
     """fp32 bytes of the largest unit a sharded rank gathers whole."""
     largest_parameter_bytes: int = 0
     """fp32 bytes of the largest parameter: ZeRO-1 shards whole parameters, so no shard is smaller."""
+    boundary_bytes: int = 0
+    """fp32 bytes of one sample's activations at a pipeline stage boundary (0: the model cannot be pipelined)."""
     hooks: tuple[HookVariant, ...] = (EXACT_ALL_REDUCE,)
     """The comm hook settings to weigh, with what each sends of these gradients (PowerSGD's depends on shapes)."""
 
@@ -369,3 +371,41 @@ def outer_loop(job: Job, interval: int, dtype: str = "fp32", fragments: int = 1,
     return UpdateCost(forward_backward + step, inside + stats_sync(job) + exchange / interval,
                       inner + waited / interval, _bytes(state),
                       bytes_sent(model.parameters, dtype, world) / interval)
+
+
+def pipeline(job: Job, stages: int, microbatches: int, shares: Sequence[float]) -> UpdateCost:
+    """``pipeline``: ``W / stages`` pipelines, stage ``s`` (``shares[s]`` of the layers) on position ``s`` of each,
+    the positions node-major (``--pipeline-layout across``: one node per stage where the nodes are the stages).
+
+    A pipeline's batch (its ranks' batches together) runs as ``microbatches`` micro-batches through torch's
+    schedules: the last micro-batch leaves the last stage after ``microbatches + stages - 1`` slots of the slowest
+    stage (GPipe's and 1F1B's bubble alike). A slot is the stage's compute for one micro-batch and, at each
+    boundary, the micro-batch's activations one way and their gradients the other (``boundary_bytes`` a sample,
+    one message each); on CPUs they add to the slot, on GPUs the longer of the two counts. Each stage's gradients
+    are all-reduced over its replicas (the other pipelines' ranks at its position), and the tied embeddings'
+    between the first and the last stage (the parameters outside the units, at most)."""
+    model, world = job.model, job.world
+    pipes = world // stages
+    positions = [[job.ranks[position * pipes + pipe] for pipe in range(pipes)] for position in range(stages)]
+    batch = max(sum(job.ranks[position * pipes + pipe].batch for position in range(stages)) for pipe in range(pipes))
+    micro = batch / microbatches
+    boundary_link = job.network if job.nodes > 1 else job.intra_link()
+    hop = 2 * (boundary_link.latency + micro * model.boundary_bytes / boundary_link.bandwidth) if stages > 1 else 0.0
+    works = [micro * shares[position] * max(rank.seconds_per_sample for rank in ranks) + ranks[0].step_overhead
+             for position, ranks in enumerate(positions)]
+    slots = [max(work, hop) if job.overlaps else work + hop for work in works]
+    flight = (microbatches + stages - 1) * max(slots)
+    size = model.parameter_bytes
+    outside = max(0.0, size - (model.units - 1) * model.largest_unit_bytes)
+    replica_link = job.intra_link() if job.nodes > 1 else job.ring_link()
+    replicas = max(all_reduce(replica_link, share * size, pipes, ddp_buckets(share * size)) for share in shares)
+    tied = all_reduce(boundary_link, outside, 2) if stages > 1 else 0.0
+    forward_backward = microbatches * max(works)  # the busiest stage's own compute
+    step_rank = positions[0][0]
+    step = (3 + 2 * model.optimizer_ratio) * size * max(shares) / step_rank.memory_bandwidth \
+        if step_rank.memory_bandwidth else 0.0
+    communication = (microbatches + stages - 1) * hop + replicas + tied + stats_sync(job)
+    state = [int((share * size + outside) * (2 + model.optimizer_ratio)) for share in shares for _ in range(pipes)]
+    network = 2 * batch * model.boundary_bytes + 2 * outside if job.nodes > 1 else 0.0
+    return UpdateCost(forward_backward + step, communication,
+                      flight - forward_backward + replicas + tied + stats_sync(job), tuple(state), network)

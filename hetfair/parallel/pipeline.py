@@ -24,7 +24,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from hetfair.errors import ConfigError
 from hetfair.parallel.pipeline_stage import PipelineStage as ModelStage
-from hetfair.parallel import register_strategy
+from hetfair.parallel import cost_model, register_strategy
 from hetfair.parallel.collectives import all_gather_ints, comm_device
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
@@ -71,6 +71,28 @@ class PipelineStrategy(Strategy):
     def live_recovery_refusal(cls, config: ParallelConfig) -> Optional[str]:
         return refusal_of_backend(config, "a lost process takes its stage's layers with it, which no other "
                                           "process holds")
+
+    @classmethod
+    def cost_variants(cls, name: str, job: cost_model.Job) -> list[ParallelConfig]:
+        """One stage per node over several nodes (else one per rank), 2 and 4 micro-batches a stage, the layers
+        split evenly and, where the stages' devices differ in speed, by speed."""
+        stages = job.nodes if job.nodes > 1 else job.world
+        if job.model.boundary_bytes == 0 or stages < 2 or job.world % stages or job.model.units - 1 < stages:
+            return []
+        speeds = {rank.seconds_per_sample for rank in job.ranks}
+        splits = ("even", "auto") if len(speeds) > 1 else ("even",)
+        return [ParallelConfig(name, pipeline_stages=stages, pipeline_microbatches=factor * stages,
+                               pipeline_split=how) for factor in (2, 4) for how in splits]
+
+    @classmethod
+    def predict(cls, config: ParallelConfig, job: cost_model.Job) -> cost_model.UpdateCost:
+        units, stages = job.model.units - 1, config.pipeline_stages
+        pipes = pipelines(job.world, stages, config.pipeline_layout)
+        speeds = [1 / rank.seconds_per_sample for rank in job.ranks]
+        counts = parse_split(config.pipeline_split, units, stages) or (
+            balanced_split(units, stage_rates(speeds, pipes, stages), [units] * stages)
+            if config.pipeline_split == "auto" else even_split(units, stages))
+        return cost_model.pipeline(job, stages, config.pipeline_microbatches, [count / units for count in counts])
 
     @classmethod
     def wants_rank_speeds(cls, config: ParallelConfig) -> bool:

@@ -33,6 +33,18 @@ class PipelineStage(nn.Module):
         raise NotImplementedError
 
 
+def boundary_bytes(model: nn.Module, units: int, criterion: nn.Module, sample: dict[str, Any]) -> int:
+    """fp32 bytes one sample's activations take at a stage boundary of ``model`` (of ``units`` sharding units),
+    from ``sample`` (a collated batch that ``criterion`` turns into the model's inputs); 0 where the model cannot
+    be pipelined."""
+    cut = getattr(model, "pipeline_stage", None)
+    stage = cut(range(0, 1), first=True, last=False) if cut is not None and units > 1 else None
+    if stage is None:
+        return 0
+    inputs = criterion.model_inputs(sample)  # type: ignore[operator]
+    return sum(4 * tensor.numel() for tensor in stage.boundary(inputs)) // max(int(sample.get("nsentences", 1)), 1)
+
+
 def units_dict(units: nn.ModuleList, indices: range) -> nn.ModuleDict:
     """The units ``indices`` of ``units`` under their index, so their ``state_dict`` keys are the model's."""
     return nn.ModuleDict({str(index): units[index] for index in indices})

@@ -177,10 +177,17 @@ def table(predictions: Sequence[Prediction], rows: int) -> list[str]:
 
 def node_commands(prediction: Prediction, cluster: Cluster, train_flags: str, port: int = 12345) -> list[str]:
     """One ``hetfair-train`` command per node that runs ``prediction``: its ranks' micro-batches (proportional to
-    their shares of the split, the global batch in as many steps as the smallest memory needs) and precisions."""
+    their shares of the split, the global batch in as many steps as the smallest memory needs; ranks that load the
+    same samples, a pipeline's, take their shares together) and precisions."""
     job = prediction.job
     steps = max(-(-rank.batch // micro) for rank, micro in zip(job.ranks, prediction.micro_batches))
     shares = [max(1, rank.batch // steps) for rank in job.ranks]
+    groups = STRATEGY_REGISTRY.get(prediction.backend).data_groups(prediction.config, job.world)
+    for group in groups:
+        together = sum(shares[rank] for rank in group)  # ranks that load the same samples take their sum each
+        for rank in group:
+            shares[rank] = together
+    total = sum(shares[group[0]] for group in groups)
     commands, first = [], 0
     for index, node in enumerate(cluster.nodes):
         ranks = range(first, first + len(node.devices))
@@ -188,7 +195,7 @@ def node_commands(prediction: Prediction, cluster: Cluster, train_flags: str, po
         precisions = ",".join(device_precision(device) for device in node.devices)
         commands.append(" ".join(part for part in (
             f"hetfair-train {train_flags}".rstrip(), prediction.mode_flags(),
-            f"--global-batch-size {sum(shares) * steps} --max-sentences {sizes} --precision {precisions}",
+            f"--global-batch-size {total * steps} --max-sentences {sizes} --precision {precisions}",
             f"--distributed-world-size {job.world} --distributed-init-method tcp://{cluster.nodes[0].name}:{port}",
             f"--distributed-gpus {len(node.devices)} --distributed-rank {first}") if part))
         first += len(node.devices)
@@ -208,9 +215,9 @@ def _strategies() -> dict[str, type[Strategy]]:
 
 def _flags(config: ParallelConfig) -> list[str]:
     """``config``'s settings that differ from a default one of its backend, as flags."""
-    default = ParallelConfig(config.ddp_backend).shared_settings()
+    default = ParallelConfig(config.ddp_backend).settings()
     flags = [f"--ddp-backend {config.ddp_backend}"]
-    for flag, value in config.shared_settings().items():
+    for flag, value in config.settings().items():
         if flag == "--ddp-backend" or value == default.get(flag):
             continue
         if value is True:

@@ -21,6 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from hetfair.parallel.comm_hook import AUTO, hook_options, hooks_in_play
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.cost_model import HookVariant, ModelCost
+from hetfair.parallel.pipeline_stage import boundary_bytes
 from hetfair.plan.probe import untouched
 from hetfair.plan.state import OptimizerFactory, StateSizes
 from hetfair.utils import move_to_device
@@ -32,7 +33,8 @@ def measure_model_cost(model: nn.Module, criterion: nn.Module, batch_of: Callabl
     the gradients, buffers and random generators are left as they were)."""
     one, two = _counted_step(model, criterion, batch_of(1)), _counted_step(model, criterion, batch_of(2))
     return replace(state_cost(model, units, build_optimizer), flops_per_sample=max(two[0] - one[0], 1.0),
-                   activation_bytes=max(two[1] - one[1], 0))
+                   activation_bytes=max(two[1] - one[1], 0),
+                   boundary_bytes=boundary_bytes(model, len(units), criterion, batch_of(1)))
 
 
 def state_cost(model: nn.Module, units: Sequence[nn.Module], build_optimizer: OptimizerFactory) -> ModelCost:

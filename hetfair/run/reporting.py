@@ -21,6 +21,7 @@ from hetfair.memory.table import FirstUpdateMemory, gather_rows, over_budget_lin
 from hetfair.parallel.comm_advice import CommAdvisor, LinkMeasurement
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.nodes import gather_layout
+from hetfair.parallel.pipeline_stage import boundary_bytes
 from hetfair.parallel.stats import UpdateResult
 from hetfair.plan.planner import JobPlan
 from hetfair.run.config import RunConfig
@@ -44,6 +45,7 @@ class RunReports:
     checkpointer: Checkpointer
     plan: JobPlan
     caps: list[int]
+    data_rank: int
     precisions: list[str]
     budget: Optional[int]
     shape: UpdateShape
@@ -89,9 +91,16 @@ class RunReports:
             return None
         link = LinkMeasurement(self.comm.gradient_bytes, self.comm.time_all_reduce(),
                                len(gather_layout(self.context)), self.comm.hook_costs(), self.comm.parameter_count,
-                               self.context.world_size)
+                               self.context.world_size, self._boundary_bytes())
         kept = self.comm.mode if self.comm.requested == "auto" and self.comm.mode != "none" else None
         return CommAdvisor(link, self.comm.requested, kept, self.comm)
+
+    def _boundary_bytes(self) -> float:
+        """The activations a pipeline of this model would send across a stage boundary per update of this rank's
+        samples (0: the model cannot be cut)."""
+        model, units = self.trainer.model, getattr(self.trainer.model, "sharding_units", list)()
+        per_sample = boundary_bytes(model, len(units), self.trainer.criterion, self.trainer.dummy_batch)
+        return per_sample * self.caps[self.data_rank] * self.shape.steps_per_update
 
     def _advise_comm(self, result: UpdateResult) -> None:
         """Once the compute time is known: log the ``comm |`` lines; with ``auto``, switch to its choice."""
