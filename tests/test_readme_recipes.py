@@ -168,6 +168,24 @@ def test_the_slow_links_per_node_commands_run_as_typed(two_nodes, checkout):
     assert (checkout / "checkpoints" / "slow-links" / "checkpoint_last.pt").exists()
 
 
+def test_the_pipeline_two_node_commands_run_as_typed(two_nodes, checkout):
+    """docs/pipeline.md: the data block once (both nodes share this checkout), then each node's block at once over a
+    100 Mbit/s link; the stages split by measured speed and the plan | lines show them."""
+    for index in range(2):
+        two_nodes.shape(index, "100mbit")
+    prepared = subprocess.run(["bash", "-e", "-c", page_block("# pipeline data: a small causal-LM corpus")],
+                              cwd=checkout, env=shell_env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert prepared.returncode == 0, prepared.stderr[-3000:]
+    scripts = (page_block("# pipeline node A: the job's secret, then stage 0"),
+               page_block("# pipeline node B: the secret node A printed, then stage 1"))
+    err_a = assert_both_succeeded(run_pair(two_nodes, scripts, checkout, secret_from_a=True))
+    stages = [line for line in err_a.splitlines() if line.startswith("plan | pipeline stage")]
+    assert len(stages) == 2 and "done | num_updates 6 |" in err_a, err_a[-3000:]
+    assert all("ms per micro-batch of 4 (predicted)" in line for line in stages), stages
+    assert (checkout / "checkpoints" / "pipeline" / "checkpoint_last.pt").exists()
+    print("\n".join(stages))
+
+
 def fake_srun(network: Network) -> str:
     """A bash function ``srun`` that starts its command on the job's two nodes, one task each, as srun does."""
     nodes = " ".join(f"{host.namespace}:{name}" for host, name in zip(network.hosts, NODES))
