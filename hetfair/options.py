@@ -338,7 +338,7 @@ def add_distributed_args(parser: argparse.ArgumentParser) -> None:
     _option(group, "--outer-momentum", bounds=Bounds(0.0, 1.0, open_maximum=True), type=float, metavar="M",
             help="with --ddp-backend diloco: Nesterov momentum of the outer SGD (default: 0.9, as in the "
                  "DiLoCo paper)")
-    _option(group, "--pipeline-stages", bounds=Bounds(1), type=int, default=2, metavar="S",
+    _option(group, "--pipeline-stages", bounds=Bounds(2), type=int, default=2, metavar="S",
             help="with --ddp-backend pipeline: the stages each pipeline cuts the model into, at its sharding units "
                  "(layers); the processes form world/S pipelines (default: 2)")
     group.add_argument("--pipeline-schedule", choices=PIPELINE_SCHEDULES, default="1f1b",

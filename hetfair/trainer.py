@@ -266,13 +266,12 @@ class Trainer:
     def _run_scheduled(self, samples: list[Optional[dict[str, Any]]], first_index: int, totals: dict[str, Any],
                        stats_samples: Optional[int]) -> tuple[int, Optional[PendingStats]]:
         """:meth:`_forward_backward` where the strategy runs the micro-batches (a pipeline's schedule): the
-        criterion runs on the stage that computes the loss, on the output of the model's forward there; only that
-        rank counts the logs and samples (every rank of a pipeline loads the same micro-batches)."""
+        criterion runs on the stage that computes the loss, on the output of the model's forward there, and only
+        that rank's logs count (every rank of a pipeline loads the same micro-batches and runs them all)."""
         runner = self._runner
         assert runner is not None
         device = self.context.device
         batches = [move_to_device(sample if sample is not None else self._dummy_batch, device) for sample in samples]
-        local = {"samples": 0}
 
         def loss_of(output: Any, index: int) -> torch.Tensor:
             batch, real = batches[index], samples[index] is not None
@@ -281,8 +280,6 @@ class Trainer:
                 loss = loss * 0.0
                 logs = {k: 0.0 if isinstance(v, (int, float)) else v for k, v in logs.items()}
                 sample_size = 0
-            else:
-                local["samples"] += int(batch["nsentences"])
             sum_logs(totals, {**_batch_counts(batch, logs, real), **logs, "sample_size": float(sample_size)})
             totals.update((key, value) for key, value in logs.items() if not is_summable(value))
             return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
@@ -291,10 +288,11 @@ class Trainer:
         runner.run([self.criterion.model_inputs(batch) for batch in batches], loss_of,
                    lambda: autocast(self.config.precision, device))
         totals.update(runner.agree_keys(totals))
+        local_samples = sum(int(sample["nsentences"]) for sample in samples if sample is not None)
         pending = None
         if stats_samples is not None:
-            pending = self._start_stats_sync(totals, stats_samples + local["samples"])
-        return local["samples"], pending
+            pending = self._start_stats_sync(totals, stats_samples + local_samples)
+        return local_samples, pending
 
     def _step(self, factor: float) -> Optional[float]:
         """Normalise the gradients by ``factor`` (without loss scaling or sharding, together with clipping: see

@@ -9,6 +9,7 @@ import pytest
 from hetfair.errors import ConfigError
 from hetfair.parallel.pipeline_split import (
     balanced_split,
+    check_split_text,
     check_stages,
     even_split,
     parse_split,
@@ -64,6 +65,15 @@ def test_split_by_hand_is_checked_against_the_model():
     for text in ("1,2", "4", "0,4", "a,b"):
         with pytest.raises(ConfigError, match="--pipeline-split"):
             parse_split(text, 4, 2)
+
+
+def test_split_text_is_checked_before_the_model_is_built():
+    check_split_text("auto", 3)
+    check_split_text("1,2,3", 3)
+    for text, words in (("1,2", "one positive number of layers per stage"), ("2,0", "one positive"),
+                        ("x", "whole number")):
+        with pytest.raises(ConfigError, match=words):
+            check_split_text(text, 2)
 
 
 def test_stage_refusals_name_the_model():

@@ -31,6 +31,7 @@ from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.pipeline_schedule import LossOf, PipelineRunner
 from hetfair.parallel.pipeline_split import (
     balanced_split,
+    check_split_text,
     check_stages,
     even_split,
     parse_split,
@@ -62,10 +63,7 @@ class PipelineStrategy(Strategy):
 
     @classmethod
     def check_options(cls, config: ParallelConfig) -> None:
-        if config.pipeline_split not in ("even", "auto"):
-            counts = config.pipeline_split.split(",")
-            parse_split(config.pipeline_split, sum(int(c) if c.strip().isdigit() else 0 for c in counts),
-                        stage_count(config.pipeline_stages, config.pipeline_schedule))
+        check_split_text(config.pipeline_split, stage_count(config.pipeline_stages, config.pipeline_schedule))
 
     @classmethod
     def live_recovery_refusal(cls, config: ParallelConfig) -> Optional[str]:
@@ -374,8 +372,8 @@ def _head_work(model: nn.Module, units: Sequence[nn.Module]) -> float:
 
 
 def _drop_others(model: nn.Module, held: set[int]) -> None:
-    """Move the parameters and buffers this rank's stages do not hold to the meta device (their shapes stay known;
-    a tensor shared by two modules stays shared)."""
+    """Move the parameters this rank's stages do not hold to the meta device (their shapes stay known; a parameter
+    two modules share stays shared)."""
     replaced: dict[int, nn.Parameter] = {}
     for module in model.modules():
         for name, param in list(module._parameters.items()):

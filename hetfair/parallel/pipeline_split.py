@@ -35,15 +35,29 @@ def pipelines(world_size: int, ranks_per_pipeline: int, layout: str) -> list[lis
     return [[pipe * ranks_per_pipeline + position for position in range(ranks_per_pipeline)] for pipe in range(count)]
 
 
+def check_split_text(text: str, stages: int) -> None:
+    """``--pipeline-split`` at option parsing, before the model's units are known: one positive count per stage."""
+    if text in ("even", "auto"):
+        return
+    counts = _counts(text)
+    if len(counts) != stages or min(counts) < 1:
+        raise ConfigError(f"--pipeline-split {text}: give one positive number of layers per stage ({stages} "
+                          f"stages), like {','.join(['2'] * stages)}")
+
+
+def _counts(text: str) -> list[int]:
+    try:
+        return [int(item) for item in text.split(",")]
+    except ValueError:
+        raise ConfigError(f"--pipeline-split {text}: give even, auto, or one whole number of layers per stage "
+                          f"like 4,8") from None
+
+
 def parse_split(text: str, units: int, stages: int) -> Optional[list[int]]:
     """``--pipeline-split``: the units of each stage given by hand, or ``None`` for ``even`` and ``auto``."""
     if text in ("even", "auto"):
         return None
-    try:
-        counts = [int(item) for item in text.split(",")]
-    except ValueError:
-        raise ConfigError(f"--pipeline-split {text}: give even, auto, or one whole number of layers per stage "
-                          f"like 4,8") from None
+    counts = _counts(text)
     if len(counts) != stages or min(counts) < 1 or sum(counts) != units:
         raise ConfigError(f"--pipeline-split {text}: give {stages} positive counts (one per stage) that add up to "
                           f"the model's {units} sharding units, like {','.join(map(str, even_split(units, stages)))}")

@@ -46,6 +46,7 @@ class RunReports:
     plan: JobPlan
     caps: list[int]
     data_rank: int
+    data_groups: list[list[int]]
     precisions: list[str]
     budget: Optional[int]
     shape: UpdateShape
@@ -94,6 +95,14 @@ class RunReports:
                                self.context.world_size, self._boundary_bytes())
         kept = self.comm.mode if self.comm.requested == "auto" and self.comm.mode != "none" else None
         return CommAdvisor(link, self.comm.requested, kept, self.comm)
+
+    def _caps_by_rank(self) -> list[int]:
+        """Each rank's micro-batch: its data group's (the ranks of a pipeline load the same samples)."""
+        caps = [0] * self.context.world_size
+        for group, cap in zip(self.data_groups, self.caps):
+            for rank in group:
+                caps[rank] = cap
+        return caps
 
     def _boundary_bytes(self) -> float:
         """The activations a pipeline of this model would send across a stage boundary per update of this rank's
@@ -177,7 +186,7 @@ class RunReports:
                                     "global_batch": self.nominal_shape.step_size,
                                     "train_samples": len(self.train_data)},
                           self.position.epoch, self.trainer.num_updates)
-        caps = ", ".join(f"rank {r}: {c}" for r, c in enumerate(self.caps))
+        caps = ", ".join(f"rank {rank}: {cap}" for rank, cap in enumerate(self._caps_by_rank()))
         precisions = ", ".join(f"rank {r}: {p}" for r, p in enumerate(self.precisions))
         scaler = self.trainer.loss_scaler
         scaling = f" | loss scale {scaler.scale:g}" if scaler is not None else ""

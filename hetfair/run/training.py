@@ -161,6 +161,7 @@ class TrainingRun(TrainingLoop):
         self.precisions = job.precisions
         self.budget = job.budgets[context.rank]
         groups = STRATEGY_REGISTRY.get(config.parallel.ddp_backend).data_groups(config.parallel, context.world_size)
+        self.data_groups = groups
         self.data_rank = next(index for index, group in enumerate(groups) if context.rank in group)
         if len(groups) < context.world_size and config.data.auto_balance:
             raise ConfigError(f"--auto-balance moves samples between ranks that load their own, but with "
