@@ -70,7 +70,7 @@ def test_split_by_hand_is_checked_against_the_model():
 def test_split_text_is_checked_before_the_model_is_built():
     check_split_text("auto", 3)
     check_split_text("1,2,3", 3)
-    for text, words in (("1,2", "one positive number of layers per stage"), ("2,0", "one positive"),
+    for text, words in (("1,2,3", "one positive number of layers per stage"), ("2,0", "one positive"),
                         ("x", "whole number")):
         with pytest.raises(ConfigError, match=words):
             check_split_text(text, 2)
