@@ -43,6 +43,9 @@ class FamilySpec:
         hf_import_flag: the model flag that starts a model from a Hugging Face directory (``--init-from-hf``).
         sharding_units: where the family's models say their sharding units
             (:meth:`~hetfair.models.HetfairModel.sharding_units`, which the strategies call).
+        pipeline_stage: where the family's models say how they cut into pipeline stages
+            (:meth:`~hetfair.models.HetfairModel.pipeline_stage`, which ``--ddp-backend pipeline`` calls);
+            ``None``: they cannot be pipelined.
     """
 
     name: str
@@ -54,6 +57,7 @@ class FamilySpec:
     hf_exporter: str | None = None
     hf_import_flag: str | None = None
     sharding_units: str | None = None
+    pipeline_stage: str | None = None
 
     def __post_init__(self) -> None:
         for kind in COMPONENT_GROUPS.values():

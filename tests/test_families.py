@@ -18,7 +18,7 @@ import pytest
 from helpers import TESTS_DIR
 from hetfair import errors
 from hetfair.families import FAMILY_REGISTRY, FamilySpec
-from hetfair.models import MODEL_REGISTRY
+from hetfair.models import MODEL_REGISTRY, HetfairModel
 from hetfair.tasks import TASK_REGISTRY
 from toy_family.family import FAMILY as TOY_SPEC
 
@@ -181,6 +181,10 @@ def test_a_builtin_specs_references_are_what_its_components_use(name):
         assert family.hf_exporter() is cls.export_hf
         own_units = f"{cls.__module__}:{cls.__name__}.sharding_units"
         assert spec.sharding_units in (own_units, "hetfair.hf_encoder.units:layer_units")  # the latter: hf_encoder's
+        cuts = cls.pipeline_stage is not HetfairModel.pipeline_stage  # the model defines its stages
+        assert spec.pipeline_stage == (f"{cls.__module__}:{cls.__name__}.pipeline_stage" if cuts else None)
+        if spec.pipeline_stage:
+            assert family.load(spec.pipeline_stage, "pipeline_stage") is cls.pipeline_stage
         parser = argparse.ArgumentParser()
         cls.add_args(parser)
         assert spec.hf_import_flag in parser._option_string_actions, "the flag that reads a Hugging Face folder"

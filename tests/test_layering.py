@@ -221,7 +221,7 @@ def test_every_family_spec_in_the_tree_is_registered():
 def test_a_family_is_its_folder():
     def modules(spec) -> list[str]:
         references = [*spec.tasks.values(), *spec.models.values(), *spec.archs.values(), *spec.criteria.values(),
-                      spec.preprocessor, spec.hf_exporter, spec.sharding_units]
+                      spec.preprocessor, spec.hf_exporter, spec.sharding_units, spec.pipeline_stage]
         return [reference.split(":")[0] for reference in references if reference]
 
     ours = [family for family in FAMILY_REGISTRY.all() if family.package in PLUGIN_FAMILIES]

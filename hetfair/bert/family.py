@@ -13,4 +13,5 @@ FAMILY = FamilySpec(
     hf_exporter="hetfair.bert.model:BertModel.export_hf",
     hf_import_flag="--init-from-hf",
     sharding_units="hetfair.bert.model:BertModel.sharding_units",
+    pipeline_stage="hetfair.bert.model:BertModel.pipeline_stage",
 )

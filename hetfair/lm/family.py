@@ -12,4 +12,5 @@ FAMILY = FamilySpec(
     hf_exporter="hetfair.lm.model:TransformerLM.export_hf",
     hf_import_flag="--init-from-hf",
     sharding_units="hetfair.lm.model:TransformerLM.sharding_units",
+    pipeline_stage="hetfair.lm.model:TransformerLM.pipeline_stage",
 )
