@@ -340,8 +340,14 @@ _LOST_PEER_MARKERS = ("connection", "timed out", "timeout", "closed", "reset by 
 
 
 def looks_like_lost_peer(exc: BaseException) -> bool:
-    text = str(exc).lower()
-    return any(marker in text for marker in _LOST_PEER_MARKERS)
+    """Whether ``exc``, or an error it was raised from (torch's pipeline schedules wrap a failed send in a
+    ``RuntimeError`` of their own), says a peer is gone."""
+    cause: BaseException | None = exc
+    while cause is not None:
+        if any(marker in str(cause).lower() for marker in _LOST_PEER_MARKERS):
+            return True
+        cause = cause.__cause__
+    return False
 
 
 

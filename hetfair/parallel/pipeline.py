@@ -5,10 +5,13 @@ parameters or pseudo-gradients); a pipeline sends only the activations at its st
 boundaries. The world's ranks form ``world / S`` pipelines of ``S`` ranks (``--pipeline-stages``),
 laid out by ``--pipeline-layout``; the stages of one pipeline load the same samples, and each
 pipeline its own share of every step (:meth:`data_groups`). Inside a pipeline, torch's schedules
-run the micro-batches (:mod:`hetfair.parallel.pipeline_schedule`); across pipelines, DDP
-averages each stage's gradients over its replicas. The update stays hetfair's: the criterion's
-summed losses on the last stage, the global sample count, one loss scale. A parameter two
-stages share (tied embeddings) has its two gradients summed. Checkpoints hold the whole model
+run the micro-batches (:mod:`hetfair.parallel.pipeline_schedule`); across pipelines, each stage's
+gradients are summed over its replicas in one all-reduce after the update's last schedule step. Not
+DDP: its reducer synchronises at the end of every schedule step, and pipelines whose micro-batches
+come in different shapes (one step per shape) run different numbers of steps, so their all-reduces
+would not line up. The update stays hetfair's: the criterion's summed losses on the last stage, the
+global sample count, one loss scale. A parameter two stages share (tied embeddings) has its two
+gradients summed. Checkpoints hold the whole model
 and optimizer in the plain format (:mod:`hetfair.parallel.pipeline_state`).
 """
 
@@ -20,7 +23,6 @@ from typing import Any, Callable, ContextManager, Optional, Sequence
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.nn.parallel import DistributedDataParallel
 
 from hetfair.errors import ConfigError
 from hetfair.parallel.pipeline_stage import PipelineStage as ModelStage
@@ -108,7 +110,6 @@ class PipelineStrategy(Strategy):
         self.position = self.pipes[self.pipe].index(context.rank)
         self.num_stages = stage_count(config.pipeline_stages, config.pipeline_schedule)
         self.stage_indices = list(range(self.position, self.num_stages, config.pipeline_stages))
-        self.replicas = len(self.pipes)
         self._pipe_group, self._replica_group, self._tied_group = self._groups()
         self.microbatches = self._agreed_microbatches()
         self.parts: list[ModelStage] = []
@@ -124,25 +125,17 @@ class PipelineStrategy(Strategy):
         self.split: list[int] = []
 
     def _groups(self) -> tuple[Any, Any, Any]:
-        """This rank's pipeline, its stage's replicas and its pipeline's first-and-last pair (``None`` where one
-        process is the whole group). Every rank creates every group, in the same order."""
+        """This rank's pipeline and its stage's replicas (the two dimensions of a device mesh whose rows are the
+        pipelines), and its pipeline's first-and-last pair; ``None`` where one process is the whole group. Every
+        rank creates every group, in the same order."""
         if not self.context.is_distributed:
             return None, None, None
-        own: list[Any] = [None, None, None]
-        for pipe, ranks in enumerate(self.pipes):
-            group = dist.new_group(ranks)
-            if pipe == self.pipe:
-                own[0] = group
-        for position in range(self.config.pipeline_stages):
-            ranks = [pipe[position] for pipe in self.pipes]
-            group = dist.new_group(ranks) if len(ranks) > 1 else None
-            if position == self.position:
-                own[1] = group
-        for pipe, ranks in enumerate(self.pipes):
-            group = dist.new_group([ranks[0], ranks[-1]]) if len(ranks) > 1 else None
-            if pipe == self.pipe:
-                own[2] = group
-        return own[0], own[1], own[2]
+        from torch.distributed.device_mesh import DeviceMesh
+
+        mesh = DeviceMesh(self.context.device.type, torch.tensor(self.pipes), mesh_dim_names=("replica", "stage"))
+        tied = [dist.new_group([ranks[0], ranks[-1]]) for ranks in self.pipes]
+        replicas = mesh.get_group("replica") if len(self.pipes) > 1 else None
+        return mesh.get_group("stage"), replicas, tied[self.pipe]
 
     def _agreed_microbatches(self) -> int:
         """This pipeline's ``--pipeline-microbatches``: its processes must agree (pipelines may differ)."""
@@ -158,7 +151,7 @@ class PipelineStrategy(Strategy):
     # -- the model ----------------------------------------------------------------------------
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
         name = type(model).__name__
-        check_stages(len(units), self.num_stages, name)
+        check_stages(len(units), self.num_stages, name, self.config.pipeline_schedule)
         counts = self._split(model, units)
         ranges = unit_ranges(counts)
         cut = getattr(model, "pipeline_stage", lambda units, first, last: None)  # a HetfairModel's
@@ -219,18 +212,11 @@ class PipelineStrategy(Strategy):
         return nn.ModuleList(self.parts).to(self.context.device)
 
     def wrap(self, model: nn.Module) -> nn.Module:
-        modules = [self._data_parallel(PipelineRunner.wrap_autocast(part)) for part in self.parts]
+        modules = [PipelineRunner.wrap_autocast(part) for part in self.parts]
         group = self._pipe_group if self._pipe_group is not None else dist.group.WORLD
         self.runner = PipelineRunner(self.parts, modules, self.stage_indices, self.num_stages,
                                      self.config.pipeline_schedule, group, self.context)
         return nn.ModuleList(modules)
-
-    def _data_parallel(self, module: nn.Module) -> nn.Module:
-        if self._replica_group is None:
-            return module
-        device = self.context.device
-        return DistributedDataParallel(module, device_ids=[device.index] if device.type == "cuda" else None,
-                                       process_group=self._replica_group, broadcast_buffers=False)
 
     # -- one update ---------------------------------------------------------------------------
     def micro_batches_per_step(self) -> int:
@@ -246,19 +232,15 @@ class PipelineStrategy(Strategy):
             found_inf.copy_(flag)
 
     def normalising_factor(self, total_sample_size: float, rank_sample_sizes: Sequence[float]) -> float:
-        return self.replicas / total_sample_size  # DDP averaged over the replicas
+        return 1.0 / total_sample_size  # the gradients are summed over the replicas (sum_gradients)
 
-    def sum_tied_gradients(self) -> None:
-        """Sum the gradients of the parameters two stages hold (after DDP has averaged each over the replicas)."""
-        if self._tied_group is None or not self._tied:
-            return
-        grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in self._tied]
-        flat = torch.cat([grad.reshape(-1) for grad in grads]).to(comm_device(self.context))
-        dist.all_reduce(flat, group=self._tied_group)
-        offset = 0
-        for param, grad in zip(self._tied, grads):
-            param.grad = flat[offset:offset + grad.numel()].view_as(grad).to(grad.device)
-            offset += grad.numel()
+    def sum_gradients(self) -> None:
+        """After an update's schedule steps: sum each stage's gradients over its replicas, then the two copies of
+        a parameter two stages hold (tied embeddings)."""
+        if self._replica_group is not None:
+            _sum_into_grads(_unique(self.model_params()), self._replica_group, self.context)
+        if self._tied_group is not None and self._tied:
+            _sum_into_grads(self._tied, self._tied_group, self.context)
 
     def clip_grad_norm(self, params: Sequence[nn.Parameter], grads: list[torch.Tensor], owed: float,
                        clip_norm: float) -> tuple[float, float]:
@@ -352,11 +334,33 @@ class PipelineRun:
         assert self.strategy.runner is not None
         self.strategy.runner.run(inputs, loss, forward_context, train)
         if train:
-            self.strategy.sum_tied_gradients()
+            self.strategy.sum_gradients()
 
     def agree_keys(self, logs: dict[str, Any]) -> dict[str, Any]:
         assert self.strategy.runner is not None
         return self.strategy.runner.agree_keys(logs)
+
+
+def _unique(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
+    """``params`` without repeats (one rank's two interleaved stages may hold the same tied parameter)."""
+    seen: set[int] = set()
+    unique = []
+    for param in params:
+        if id(param) not in seen:
+            seen.add(id(param))
+            unique.append(param)
+    return unique
+
+
+def _sum_into_grads(params: Sequence[nn.Parameter], group: Any, context: DistributedContext) -> None:
+    """Sum the gradients of ``params`` over ``group`` in one all-reduce (a parameter without one sends zeros)."""
+    grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in params]
+    flat = torch.cat([grad.reshape(-1) for grad in grads]).to(comm_device(context))
+    dist.all_reduce(flat, group=group)
+    offset = 0
+    for param, grad in zip(params, grads):
+        param.grad = flat[offset:offset + grad.numel()].view_as(grad).to(grad.device)
+        offset += grad.numel()
 
 
 def _parameter_bytes(module: nn.Module) -> int:

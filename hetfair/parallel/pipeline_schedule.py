@@ -43,7 +43,22 @@ class _Autocast(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         with self.context():
-            return self.part(*args, **kwargs)
+            output = self.part(*args, **kwargs)
+        return _LastOutput(output) if isinstance(output, dict) else output
+
+
+class _LastOutput(dict):  # type: ignore[type-arg]
+    """A last stage's output that is a dict of tensors (BERT's scores), as torch's schedules handle an output
+    tensor: after the backward they detach it in place unless it is a view; here each of its tensors."""
+
+    def _is_view(self) -> bool:
+        return False
+
+    def detach_(self) -> "_LastOutput":
+        for value in self.values():
+            if isinstance(value, torch.Tensor) and not value._is_view():
+                value.detach_()
+        return self
 
 
 class PipelineRunner:

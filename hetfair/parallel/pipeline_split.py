@@ -64,14 +64,15 @@ def parse_split(text: str, units: int, stages: int) -> Optional[list[int]]:
     return counts
 
 
-def check_stages(units: int, stages: int, model: str) -> None:
-    """Refuse a model without units, or more stages than units."""
+def check_stages(units: int, stages: int, model: str, schedule: str = "1f1b") -> None:
+    """Refuse a model without units, or more stages than units (``stages`` under ``schedule``)."""
     if units == 0:
         raise ConfigError(f"--ddp-backend pipeline: model {model} declares no sharding units (layers) to cut into "
                           f"stages; use another --ddp-backend")
     if stages > units:
+        instead = " (or use --pipeline-schedule 1f1b: one stage per process)" if STAGES_PER_RANK[schedule] > 1 else ""
         raise ConfigError(f"--ddp-backend pipeline: {stages} stages need at least {stages} sharding units, but model "
-                          f"{model} has {units}; lower --pipeline-stages (or use --pipeline-schedule 1f1b)")
+                          f"{model} has {units}; lower --pipeline-stages{instead}")
 
 
 def even_split(units: int, stages: int) -> list[int]:
