@@ -170,6 +170,9 @@ def prepare_data(workdir: Path) -> Path:
 def valid_loss(setting: Setting, state: dict[str, torch.Tensor]) -> float:
     """Mean masked-LM cross-entropy (nats) of a model with ``state`` on the first validation batches (for
     ``mnist_*``: the cross-entropy on the first 2,000 test images)."""
+    own = getattr(setting, "valid_loss", None)
+    if own is not None:  # a Setting of another task brings its own (benchmarks/bench_pipeline.py's language model)
+        return own(state)
     if setting.is_mnist:
         return _mnist_test_loss(setting, state)
     from hetfair.options import parse_train_args
@@ -316,8 +319,12 @@ def run_job(network: Network, setting: Setting, workdir: Path, mode: Optional[Se
                                cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
               for rank, command in enumerate(commands) if rank > 0]
     try:
-        clock = clocked_run(setting.on_node(network, 0, commands[0]), node_env(setting, 0, world, mode is None, master),
-                            timeout=1800, expected_updates=setting.updates, cwd=REPO_ROOT)
+        try:
+            clock = clocked_run(setting.on_node(network, 0, commands[0]),
+                                node_env(setting, 0, world, mode is None, master), timeout=1800,
+                                expected_updates=setting.updates, cwd=REPO_ROOT)
+        except RuntimeError as exc:  # rank 0 often only lost contact: the cause is in another node's output
+            raise RuntimeError(f"{exc}\n{_others_errors(others)}") from None
         for proc in others:
             _, err = proc.communicate(timeout=300)
             if proc.returncode != 0:
@@ -336,6 +343,19 @@ def run_job(network: Network, setting: Setting, workdir: Path, mode: Optional[Se
     per_interval = [float(record.get("bsz", fixed)) * setting.interval for record in clock.records]
     steady = sum(per_interval[1:]) / (clock.wall_per_update * clock.updates)
     return Result(steady, valid_loss(setting, state), round(sum(per_interval)))
+
+
+def _others_errors(others: Sequence[subprocess.Popen]) -> str:
+    """The end of the error output of nodes 1, 2, ... (stopped if they still run)."""
+    parts = []
+    for rank, proc in enumerate(others, start=1):
+        try:
+            _, err = proc.communicate(timeout=15)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+        parts.append(f"node {rank} (exit {proc.returncode}):\n{(err or '')[-3000:]}")
+    return "\n".join(parts)
 
 
 def single_node_speeds(network: Network, setting: Setting, workdir: Path,

@@ -80,7 +80,11 @@ class RunReports:
             return
         step = self.shape.step_size
         split = self.balancer.split if self.balancer is not None else split_counts(step, self.caps, self.caps)
-        for line in self.plan.lines(self.caps, [count / step for count in split]):
+        shares = [0.0] * self.context.world_size
+        for group, count in zip(self.data_groups, split):
+            for rank in group:
+                shares[rank] = count / step
+        for line in self.plan.lines(self._caps_by_rank(), shares):
             self._notice(line)
         if self.config.loop.dry_run:
             self._notice("dry run | the plan above; nothing was trained or written (drop --dry-run to train)")

@@ -9,7 +9,7 @@ all-gather carries both, and one error names every rank and setting that disagre
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 from hetfair.parallel.collectives import all_gather_json
 from hetfair.parallel.context import DistributedContext
@@ -94,12 +94,16 @@ def _values_by_rank(flag: str, values: list[Any]) -> str | None:
                                   for value, ranks in by_value.items())
 
 
-def group_caps(caps: list[int], groups: list[list[int]], flag: str) -> list[int]:
+def group_caps(caps: list[int], groups: list[list[int]], flag: str, probed: Sequence[bool] = ()) -> list[int]:
     """Batch sizes by data group (:meth:`Strategy.data_groups`: ranks that load the same samples) from ``caps`` by
-    rank; a group's ranks must have been given the same ``flag``, else one :class:`ConfigError`."""
-    differing = [group for group in groups if len({caps[rank] for rank in group}) > 1]
-    if differing:
-        given = ", ".join(f"{caps[rank]} on rank {rank}" for rank in differing[0])
-        raise ConfigError(f"ranks {', '.join(map(str, differing[0]))} load the same samples (the stages of one "
-                          f"pipeline) but were given different {flag} ({given}); give them the same {flag}")
-    return [caps[group[0]] for group in groups]
+    rank. A group's ranks must have been given the same ``flag``, else one :class:`ConfigError`; where the plan
+    probed some of them (``probed``, by rank), the group takes the smallest."""
+    chosen = []
+    for group in groups:
+        values = [caps[rank] for rank in group]
+        if len(set(values)) > 1 and not any(probed[rank] for rank in group if rank < len(probed)):
+            given = ", ".join(f"{value} on rank {rank}" for rank, value in zip(group, values))
+            raise ConfigError(f"ranks {', '.join(map(str, group))} load the same samples (the stages of one "
+                              f"pipeline) but were given different {flag} ({given}); give them the same {flag}")
+        chosen.append(min(values))
+    return chosen

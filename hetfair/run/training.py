@@ -167,7 +167,8 @@ class TrainingRun(TrainingLoop):
             raise ConfigError(f"--auto-balance moves samples between ranks that load their own, but with "
                               f"--ddp-backend {config.parallel.ddp_backend} ranks share their samples; drop "
                               f"--auto-balance")
-        self.caps = self._capped_at_dataset(group_caps(job.train_caps, groups, "--max-sentences"))
+        probed = [row.probed is not None for row in self.plan.ranks]
+        self.caps = self._capped_at_dataset(group_caps(job.train_caps, groups, "--max-sentences", probed))
         self.valid_caps = group_caps(job.valid_caps, groups, "--max-sentences-valid")
         self.nominal_shape = command_shape(config.data, self.caps)
         self.shape = fit_shape(config.data, self.nominal_shape, self.caps)
