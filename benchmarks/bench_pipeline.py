@@ -9,9 +9,10 @@ What it measures. On emulated hosts joined by shaped links, the same model train
   PowerSGD all-reduce hook, exact for its first 2 updates; and ``diloco``: the outer loop,
   ``--ddp-backend diloco --outer-interval 4``, the fp32 parameters exchanged every 4 updates);
 * ``pipeline``: ``--ddp-backend pipeline --pipeline-stages N`` with one process per host and N = the hosts,
-  so the model is cut into N stages (``--pipeline-split even``, ``--pipeline-layout across``), stage s on
-  host s, and only the activations at the stage boundaries cross the links (``bert_mini``: 0.5 MB per
-  micro-batch of 4 x 128 tokens each way, against a 21.7 MB fp32 gradient at this vocabulary). Its one
+  so the model is cut into N stages (``--pipeline-split auto``: layers by the hosts' measured speed, the
+  output layers counted with the last stage; ``--pipeline-layout across``), stage s on host s, and only the
+  activations at the stage boundaries cross the links (``bert_mini``: 0.5 MB per micro-batch of 4 x 128
+  tokens each way, against a 21.7 MB fp32 gradient at this vocabulary). Its one
   pipeline trains each update's whole global batch (``--max-sentences`` N x ``--batch``, cut into
   ``--microbatches`` micro-batches, default 2N, schedule 1F1B),
 
@@ -264,7 +265,7 @@ def contenders(options: argparse.Namespace, setting: Setting, nodes: int, units:
         if stages > units:
             notes.append(f"{name} skipped: {stages} stages need {stages} layers, {setting.arch} has {units}")
             continue
-        flags = pipeline_flags(nodes, setting.batch, microbatches_for(options, nodes), schedule, "even")
+        flags = pipeline_flags(nodes, setting.batch, microbatches_for(options, nodes), schedule, "auto")
         found.append(Contender(name, "pipeline", flags))
     return found, notes
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import argparse
 import logging
 from dataclasses import fields
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -270,6 +270,17 @@ class BertModel(BertHeads, HetfairModel):
         return BertStage(self, units, first, last)
 
 
+MASKED_SHARE = 0.15
+"""The share of positions BERT's masked-LM head scores (its usual ``--mask-prob``), for :meth:`BertStage.output_work`."""
+
+
+def _pad_positions(value: Any, length: int) -> Any:
+    """A ``(batch, positions)`` input padded with zeros (false) to ``length`` positions; anything else as it is."""
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or value.shape[1] >= length:
+        return value
+    return F.pad(value, (0, length - value.shape[1]))
+
+
 def _arch(hidden_size: int, num_hidden_layers: int, num_attention_heads: int) -> dict[str, int]:
     return {"hidden_size": hidden_size, "num_hidden_layers": num_hidden_layers,
             "num_attention_heads": num_attention_heads, "intermediate_size": 4 * hidden_size}
@@ -327,3 +338,17 @@ class BertStage(BertHeads, PipelineStage):
     def boundary(self, net_input: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         batch, length = net_input["input_ids"].shape
         return (torch.empty(batch, length, self.hidden_size, device="meta"),)
+
+    def output_work(self) -> float:
+        """The masked-LM head scores the masked positions only (BERT's usual share, :data:`MASKED_SHARE`) against
+        the vocabulary: its weights times that share, over a layer's weights."""
+        layer = sum(param.numel() for param in next(iter(self.layers.values())).parameters())
+        return MASKED_SHARE * sum(param.numel() for param in self.lm_head.parameters()) / layer
+
+    def one_shape(self, inputs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """Each micro-batch padded to the longest: its padding is masked out of attention and scores no token,
+        so the real positions' outputs are as without it (up to float summation order)."""
+        length = max(item["input_ids"].shape[1] for item in inputs)
+        if any(item.get("attention_mask") is None for item in inputs if item["input_ids"].shape[1] < length):
+            return list(inputs)  # no mask to hide the padding from attention
+        return [{name: _pad_positions(value, length) for name, value in item.items()} for item in inputs]

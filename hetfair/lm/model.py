@@ -297,3 +297,9 @@ class LMStage(LMParts, PipelineStage):
     def boundary(self, net_input: dict[str, Any]) -> tuple[torch.Tensor, ...]:
         batch, length = net_input["src_tokens"].shape
         return (torch.empty(batch, length, self.config.embed_dim, device="meta"),)
+
+    def output_work(self) -> float:
+        """The output projection multiplies each position by the vocabulary's embeddings, a layer by its weights:
+        their sizes' ratio."""
+        layer = sum(param.numel() for param in next(iter(self.layers.values())).parameters())
+        return self.embed_tokens.weight.numel() / layer

@@ -122,6 +122,7 @@ class PipelineStrategy(Strategy):
         self._full_index: dict[int, int] = {}
         self._num_full = 0
         self._stage_bytes: list[int] = []
+        self._output_work = 0.0
         self.split: list[int] = []
 
     def _groups(self) -> tuple[Any, Any, Any]:
@@ -152,15 +153,15 @@ class PipelineStrategy(Strategy):
     def shard(self, model: nn.Module, units: Sequence[nn.Module]) -> None:
         name = type(model).__name__
         check_stages(len(units), self.num_stages, name, self.config.pipeline_schedule)
-        counts = self._split(model, units)
-        ranges = unit_ranges(counts)
-        cut = getattr(model, "pipeline_stage", lambda units, first, last: None)  # a HetfairModel's
-        stages = [cut(units_range, first=index == 0, last=index == self.num_stages - 1)
-                  for index, units_range in enumerate(ranges)]
-        if any(stage is None for stage in stages):
+        cut = getattr(model, "pipeline_stage", None)  # a HetfairModel's
+        if cut is None or cut(range(0, 1), first=True, last=False) is None:
             raise ConfigError(f"--ddp-backend pipeline: model {name} cannot be cut into stages (its family defines "
                               f"no pipeline_stage); use another --ddp-backend")
+        counts = self._split(model, units, cut)
+        stages = [cut(units_range, first=index == 0, last=index == self.num_stages - 1)
+                  for index, units_range in enumerate(unit_ranges(counts))]
         self.split = counts
+        self._output_work = stages[-1].output_work()
         self._stage_bytes = [_parameter_bytes(stage) for stage in stages]  # type: ignore[arg-type]
         self._index_state(model, stages)  # type: ignore[arg-type]
         self.parts = [stages[index] for index in self.stage_indices]  # type: ignore[misc]
@@ -175,14 +176,15 @@ class PipelineStrategy(Strategy):
                               first_stage_params for part in self.parts for param in part.parameters()]
         _drop_others(model, held)
 
-    def _split(self, model: nn.Module, units: Sequence[nn.Module]) -> list[int]:
+    def _split(self, model: nn.Module, units: Sequence[nn.Module], cut: Callable[..., ModelStage]) -> list[int]:
         given = parse_split(self.config.pipeline_split, len(units), self.num_stages)
         if given is not None:
             return given
         if self.config.pipeline_split == "even":
             return even_split(len(units), self.num_stages)
+        last = cut(range(len(units) - 1, len(units)), first=False, last=True)
         return balanced_split(len(units), self._stage_rates(), self._stage_capacities(model, units),
-                              (0.0, _head_work(model, units)))
+                              (0.0, last.output_work()))
 
     def _stage_rates(self) -> list[float]:
         return stage_rates(self.config.rank_speeds or (1.0,) * self.context.world_size, self.pipes, self.num_stages)
@@ -270,7 +272,8 @@ class PipelineStrategy(Strategy):
             position = stage % self.config.pipeline_stages
             ranks = [pipe[position] for pipe in self.pipes]
             samples = max(cap / count for cap, count in zip(caps, self.every_microbatches))
-            share = len(units) / sum(self.split)
+            output = self._output_work if stage == self.num_stages - 1 else 0.0
+            share = (len(units) + output) / (sum(self.split) + self._output_work)
             timing = f"{samples * share / rates[stage] * 1000:.1f} ms per micro-batch of {samples:g} (predicted)" \
                 if speeds else "time not measured (--pipeline-split auto measures it)"
             state = self._stage_bytes[stage] * (2 + ratio) if ratio else self._stage_bytes[stage] * 2
@@ -365,14 +368,6 @@ def _sum_into_grads(params: Sequence[nn.Parameter], group: Any, context: Distrib
 
 def _parameter_bytes(module: nn.Module) -> int:
     return sum(param.numel() * param.element_size() for param in module.parameters())
-
-
-def _head_work(model: nn.Module, units: Sequence[nn.Module]) -> float:
-    """The last stage's output layers in units of one layer's work, estimated by the weights each multiplies a
-    token by (a layer's are its parameters; the output projection's are the embeddings it scores against):
-    the model's parameters outside its units, over a unit's."""
-    unit = sum(_parameter_bytes(unit) for unit in units) / len(units)
-    return max(0.0, _parameter_bytes(model) - len(units) * unit) / unit
 
 
 def _drop_others(model: nn.Module, held: set[int]) -> None:

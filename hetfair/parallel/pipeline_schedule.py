@@ -5,8 +5,9 @@ this module feeds them. Each stage is built in torch's *static* mode, its bounda
 by the model family (:meth:`PipelineStage.boundary`), so stages exchange tensors only: the
 dynamic mode would send pickled shape metadata between ranks, and hetfair unpickles nothing a
 peer sends. Static shapes mean one ``PipelineStage`` per micro-batch shape: an update's
-micro-batches are run in groups of one shape (usually one group), each group one schedule
-step, gradients accumulating over the groups. Every stage gets each micro-batch's model inputs
+micro-batches are first made one shape where the family can (BERT pads them to the longest,
+:meth:`PipelineStage.one_shape`), then run in groups of one shape (usually one group), each
+group one schedule step, gradients accumulating over the groups. Every stage gets each micro-batch's model inputs
 (the same samples load on every stage of a pipeline); the criterion runs on the last stage,
 whose summed losses the schedule backpropagates unscaled (``scale_grads=False``): the trainer
 normalises by the global sample count, as in every mode.
@@ -64,8 +65,8 @@ class _LastOutput(dict):  # type: ignore[type-arg]
 class PipelineRunner:
     """This rank's stages of one pipeline and the schedule that runs them.
 
-    ``parts`` are this rank's stage modules (stage indices ``stage_indices`` of ``num_stages``),
-    each wrapped as ``modules`` runs them (DDP over the data-parallel replicas, or as is).
+    ``parts`` are this rank's stage modules (stage indices ``stage_indices`` of ``num_stages``), and
+    ``modules`` the same with their forward in the trainer's autocast (:meth:`wrap_autocast`).
     """
 
     def __init__(self, parts: Sequence[ModelStage], modules: Sequence[nn.Module], stage_indices: Sequence[int],
@@ -89,7 +90,7 @@ class PipelineRunner:
 
     @staticmethod
     def wrap_autocast(part: ModelStage) -> nn.Module:
-        """``part`` with the forward context :meth:`run` sets (inside any DDP wrapper)."""
+        """``part`` with the forward context :meth:`run` sets."""
         return _Autocast(part)
 
     def run(self, inputs: Sequence[dict[str, Any]], loss: LossOf, forward_context: Callable[[], ContextManager[Any]],
@@ -98,6 +99,7 @@ class PipelineRunner:
         the last stage gives micro-batch ``i``'s summed loss. Micro-batches of one shape run in one schedule step."""
         for module in self.modules:
             _autocast_of(module).context = forward_context
+        inputs = self.parts[0].one_shape(inputs)  # every rank of the pipeline pads the same micro-batches alike
         for indices in _by_shape(inputs):
             self._loss = lambda output, target, _indices=indices: loss(output, _indices[int(target[0])])
             group = [inputs[index] for index in indices]
@@ -155,9 +157,8 @@ class PipelineRunner:
 
 
 def _autocast_of(module: nn.Module) -> _Autocast:
-    inner = getattr(module, "module", module)  # a DDP wrapper's module
-    assert isinstance(inner, _Autocast)
-    return inner
+    assert isinstance(module, _Autocast)
+    return module
 
 
 def _no_loss(output: Any, index: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ model and a copy on each of the two stages, kept equal by summing their gradient
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,17 @@ class PipelineStage(nn.Module):
         """Tensors on the meta device shaped as the activations that cross a stage boundary for a micro-batch
         with ``net_input`` (the same between any two stages)."""
         raise NotImplementedError
+
+    def output_work(self) -> float:
+        """On a last stage: the work of its output layers per sample, in units of one of its sharding units'
+        work (what ``--pipeline-split auto`` adds to the last stage); here 0, not counted."""
+        return 0.0
+
+    def one_shape(self, inputs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+        """The micro-batches' model ``inputs`` made one shape where the family can without changing any real
+        position's output (padding that attention ignores), so that one schedule step runs them all; here as
+        they are (micro-batches of other shapes then run in schedule steps of their own)."""
+        return list(inputs)
 
 
 def boundary_bytes(model: nn.Module, units: int, criterion: nn.Module, sample: dict[str, Any]) -> int:
