@@ -52,3 +52,17 @@ def reference_stream(tokenizer_file: Path, documents: list[str]) -> np.ndarray:
     eos = tokenizer.token_to_id(EOS)
     ids = [[*encoding.ids, eos] for encoding in tokenizer.encode_batch(documents, add_special_tokens=False)]
     return np.concatenate(ids).astype(np.int64)
+
+
+def small_corpus(tmp: Path) -> tuple[Path, list[str]]:
+    """About 2,000 characters of the Jargon File preprocessed under ``tmp`` (a 300-token BPE, the same text as the
+    validation split; some 60 blocks of 16 tokens), and its documents."""
+    docs, size = [], 0
+    for doc in jargon_paragraphs():
+        docs.append(doc)
+        size += len(doc)
+        if size > 2000:
+            break
+    train = write_text(tmp / "train.txt", docs)
+    return preprocess(tmp / "data", "--tokenizer", "bpe", "--vocab-size", "300", "--trainpref", str(train),
+                      "--validpref", str(train)), docs

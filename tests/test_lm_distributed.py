@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from helpers import final_parameters, free_port, rank_flags, run_nodes
-from lm_helpers import jargon_paragraphs, preprocess, reference_stream, write_text
+from lm_helpers import reference_stream, small_corpus
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from tokenizers import Tokenizer
 
@@ -33,15 +33,7 @@ UPDATE_FREQ = 2
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     """About 2,000 characters of the Jargon File (some 60 blocks: three updates, the last one short)."""
     tmp = tmp_path_factory.mktemp("lm_dist")
-    docs, size = [], 0
-    for doc in jargon_paragraphs():
-        docs.append(doc)
-        size += len(doc)
-        if size > 2000:
-            break
-    train = write_text(tmp / "train.txt", docs)
-    return preprocess(tmp / "data", "--tokenizer", "bpe", "--vocab-size", "300", "--trainpref", str(train),
-                      "--validpref", str(train)), docs
+    return small_corpus(tmp)
 
 
 def commands(tmp_path: Path, data: Path, max_tokens: list[int]) -> list[list[str]]:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from helpers import final_parameters, free_port, rank_flags, run_nodes
-from lm_helpers import jargon_paragraphs, preprocess, write_text
+from lm_helpers import small_corpus
 from multi_host import node_env, start_on
 from test_lm_distributed import BLOCK, LR, SEED, reference_parameters
 
@@ -29,15 +29,7 @@ ARCH = ["--arch", "gpt_tiny", "--tokens-per-sample", str(BLOCK), "--decoder-embe
 @pytest.fixture(scope="module")
 def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
     tmp = tmp_path_factory.mktemp("pipeline_lm")
-    docs, size = [], 0
-    for doc in jargon_paragraphs():
-        docs.append(doc)
-        size += len(doc)
-        if size > 2000:
-            break
-    train = write_text(tmp / "train.txt", docs)
-    return preprocess(tmp / "data", "--tokenizer", "bpe", "--vocab-size", "300", "--trainpref", str(train),
-                      "--validpref", str(train)), docs
+    return small_corpus(tmp)
 
 
 def job(tmp_path: Path, data: Path, name: str, blocks: list[int], flags: list[list[str]], *extra: str,

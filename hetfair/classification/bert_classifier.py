@@ -26,7 +26,7 @@ from hetfair.bert.config import BertConfig, config_from_file
 from hetfair.bert.hf import CONFIG_FILE, SAFETENSORS_FILE, from_hf_state_dict, read_hf_directory, to_hf_config, \
     to_hf_state_dict
 from hetfair.bert.model import HYPER_PARAMETERS, BertEmbeddings, BertLayer, BertModel, bert_base, bert_tiny, encode
-from hetfair.checkpoint.layout import load_checkpoint, model_weights, stored_config
+from hetfair.checkpoint.layout import load_checkpoint, model_weights
 from hetfair.classification.tokenizer_source import pretraining_options
 from hetfair.errors import ConfigError
 from hetfair.models import register_model, register_model_architecture

@@ -14,7 +14,7 @@ import argparse
 import os
 from itertools import islice
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Iterator
 
 import numpy as np
 from tokenizers import Tokenizer
