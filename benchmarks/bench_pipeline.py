@@ -420,7 +420,7 @@ def main_table(network: Network, options: argparse.Namespace, setting: Setting, 
                 rows_of(results, kinds, singles, "ddp"),
                 [*goals, *failure_notes(results),
                  f"fp32 gradient {grad_mb:.1f} MB per update (ddp); pipeline: {nodes} stages over {units} "
-                 f"layers (split even), {microbatches_for(options, nodes)} micro-batches "
+                 f"layers (split auto), {microbatches_for(options, nodes)} micro-batches "
                  f"({options.schedules.split(',')[0]}), {act_mb:.2f} MB of activations per micro-batch each way "
                  f"per stage boundary",
                  f"single-host samples/s (hetfair-train, world 1, all {nodes} at once; mean of before and after): "

@@ -339,6 +339,9 @@ class BertStage(BertHeads, PipelineStage):
         batch, length = net_input["input_ids"].shape
         return (torch.empty(batch, length, self.hidden_size, device="meta"),)
 
+    def tied_rows(self, inputs: dict[str, Any]) -> torch.Tensor:
+        return inputs["input_ids"]
+
     def output_work(self) -> float:
         """The masked-LM head scores the masked positions only (BERT's usual share, :data:`MASKED_SHARE`) against
         the vocabulary: its weights times that share, over a layer's weights."""

@@ -298,6 +298,9 @@ class LMStage(LMParts, PipelineStage):
         batch, length = net_input["src_tokens"].shape
         return (torch.empty(batch, length, self.config.embed_dim, device="meta"),)
 
+    def tied_rows(self, inputs: dict[str, Any]) -> torch.Tensor:
+        return inputs["src_tokens"]
+
     def output_work(self) -> float:
         """The output projection multiplies each position by the vocabulary's embeddings, a layer by its weights:
         their sizes' ratio."""

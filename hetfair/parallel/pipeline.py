@@ -44,6 +44,7 @@ from hetfair.parallel.pipeline_split import (
     unit_ranges,
 )
 from hetfair.parallel.pipeline_state import gather_model_state, gather_optimizer_state, local_optimizer_state
+from hetfair.parallel.pipeline_tied import BorrowedWeight, TiedWeights, sum_into_grads
 from hetfair.parallel.strategy import Strategy, refusal_of_backend
 
 
@@ -114,7 +115,9 @@ class PipelineStrategy(Strategy):
         self.microbatches = self._agreed_microbatches()
         self.parts: list[ModelStage] = []
         self.runner: Optional[PipelineRunner] = None
-        self._tied: list[nn.Parameter] = []  # this rank's copies of parameters another stage holds too
+        self.tied = TiedWeights(context, None, None, [], [], [], None)
+        """This rank's part in keeping the parameters two stages share (tied embeddings) equal."""
+        self._model: nn.Module = nn.Module()  # the whole model: this rank's tensors real, the others' on meta
         self._counted_once: list[bool] = []  # per param: counted in the clipping norm on this rank
         self._full_keys: list[str] = []
         self._shapes: dict[str, tuple[torch.Size, torch.dtype]] = {}
@@ -168,13 +171,14 @@ class PipelineStrategy(Strategy):
         held = {id(param) for part in self.parts for param in part.parameters()}
         holders: dict[int, int] = {}
         for stage in stages:
-            for param in stage.parameters():  # type: ignore[union-attr]
+            for param in _unique(list(stage.parameters())):
                 holders[id(param)] = holders.get(id(param), 0) + 1
-        self._tied = [param for part in self.parts for param in part.parameters() if holders[id(param)] > 1]
-        first_stage_params = {id(param) for param in stages[0].parameters()}  # type: ignore[union-attr]
-        self._counted_once = [holders[id(param)] == 1 or 0 in self.stage_indices or id(param) not in
-                              first_stage_params for part in self.parts for param in part.parameters()]
+        tied = _unique([param for part in self.parts for param in part.parameters() if holders[id(param)] > 1])
+        self.tied = self._tie(stages, tied)
+        dense = {id(param) for param in self.tied.dense}
+        self._counted_once = [id(param) not in dense or 0 in self.stage_indices for param in self.model_params()]
         _drop_others(model, held)
+        self._model = model
 
     def _split(self, model: nn.Module, units: Sequence[nn.Module], cut: Callable[..., ModelStage]) -> list[int]:
         given = parse_split(self.config.pipeline_split, len(units), self.num_stages)
@@ -185,6 +189,21 @@ class PipelineStrategy(Strategy):
         last = cut(range(len(units) - 1, len(units)), first=False, last=True)
         return balanced_split(len(units), self._stage_rates(), self._stage_capacities(model, units),
                               (0.0, last.output_work()))
+
+    def _tie(self, stages: Sequence[ModelStage], tied: list[nn.Parameter]) -> TiedWeights:
+        """This rank's part in keeping the parameters two stages share equal (:mod:`hetfair.parallel.pipeline_tied`):
+        by rows where the family says which rows a micro-batch looks up, else by summing whole gradients."""
+        first, last = stages[0], self.num_stages - 1
+        pair = self.pipes[self.pipe][0], self.pipes[self.pipe][last % self.config.pipeline_stages]
+        if not tied or not self.context.is_distributed:
+            return TiedWeights(self.context, None, None, [], [], [], None)
+        if type(first).tied_rows is ModelStage.tied_rows:
+            return TiedWeights(self.context, None, self._tied_group, [], [], tied, None)
+        if last in self.stage_indices:
+            return TiedWeights(self.context, pair[0], None, tied, [], [], first)
+        keys = {id(value): key for key, value in first.state_dict(keep_vars=True).items()}
+        borrowed = [BorrowedWeight.take(keys[id(param)], param, self.parts) for param in tied]
+        return TiedWeights(self.context, pair[1], None, [], borrowed, [], first)
 
     def _stage_rates(self) -> list[float]:
         return stage_rates(self.config.rank_speeds or (1.0,) * self.context.world_size, self.pipes, self.num_stages)
@@ -199,19 +218,21 @@ class PipelineStrategy(Strategy):
     def _index_state(self, model: nn.Module, stages: Sequence[ModelStage]) -> None:
         """Which rank of the first pipeline sends each key of the whole state dict, and each parameter's index
         in the whole model's order (the plain optimizer format's)."""
-        full = model.state_dict()
+        full = model.state_dict(keep_vars=True)
         self._full_keys = list(full)
         self._shapes = {key: (value.shape, value.dtype) for key, value in full.items()}
-        for index, stage in enumerate(stages):
-            owner = self.pipes[0][index % self.config.pipeline_stages]
-            for key in stage.state_dict():
-                self._owners.setdefault(key, owner)
+        held = [{id(value) for value in stage.state_dict(keep_vars=True).values()} for stage in stages]
+        for key, value in full.items():  # a tensor two stages hold comes from the last, which owns it
+            stage = max(index for index, ids in enumerate(held) if id(value) in ids)
+            self._owners[key] = self.pipes[0][stage % self.config.pipeline_stages]
         params = [param for param in model.parameters() if param.requires_grad]
         self._full_index = {id(param): index for index, param in enumerate(params)}
         self._num_full = len(params)
 
     def to_device(self, model: nn.Module) -> nn.Module:
-        return nn.ModuleList(self.parts).to(self.context.device)
+        moved = nn.ModuleList(self.parts).to(self.context.device)
+        self.tied.to(self.context.device)
+        return moved
 
     def wrap(self, model: nn.Module) -> nn.Module:
         modules = [PipelineRunner.wrap_autocast(part) for part in self.parts]
@@ -236,13 +257,12 @@ class PipelineStrategy(Strategy):
     def normalising_factor(self, total_sample_size: float, rank_sample_sizes: Sequence[float]) -> float:
         return 1.0 / total_sample_size  # the gradients are summed over the replicas (sum_gradients)
 
-    def sum_gradients(self) -> None:
-        """After an update's schedule steps: sum each stage's gradients over its replicas, then the two copies of
-        a parameter two stages hold (tied embeddings)."""
+    def sum_gradients(self, inputs: Sequence[dict[str, Any]]) -> None:
+        """After an update's schedule steps (of micro-batches with model ``inputs``): the parameters two stages
+        share get the other copy's gradient, then each stage's gradients are summed over its replicas."""
+        self.tied.sum_gradients(inputs)
         if self._replica_group is not None:
-            _sum_into_grads(_unique(self.model_params()), self._replica_group, self.context)
-        if self._tied_group is not None and self._tied:
-            _sum_into_grads(self._tied, self._tied_group, self.context)
+            sum_into_grads(_unique(self.model_params()), self._replica_group, self.context)
 
     def clip_grad_norm(self, params: Sequence[nn.Parameter], grads: list[torch.Tensor], owed: float,
                        clip_norm: float) -> tuple[float, float]:
@@ -284,7 +304,7 @@ class PipelineStrategy(Strategy):
 
     # -- checkpoint state ---------------------------------------------------------------------
     def model_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        own = {key: value for part in self.parts for key, value in part.state_dict().items()}
+        own = {key: value for key, value in self._model.state_dict().items() if not value.is_meta}
         return gather_model_state(self._full_keys, self._shapes, self._owners, own, self.context)
 
     def load_model_state_dict(self, model: nn.Module, state: dict[str, torch.Tensor]) -> None:
@@ -295,6 +315,7 @@ class PipelineStrategy(Strategy):
                                f"{unexpected[:3]}")
         for part in self.parts:
             part.load_state_dict({key: state[key] for key in part.state_dict()})
+        self.tied.load(state)
 
     def optimizer_state_dict(self, model: nn.Module, optimizer: torch.optim.Optimizer,
                              params: Sequence[nn.Parameter]) -> Optional[dict[str, Any]]:
@@ -335,9 +356,10 @@ class PipelineRun:
     def run(self, inputs: Sequence[dict[str, Any]], loss: LossOf,
             forward_context: Callable[[], ContextManager[Any]], train: bool = True) -> None:
         assert self.strategy.runner is not None
+        self.strategy.tied.refresh(inputs)
         self.strategy.runner.run(inputs, loss, forward_context, train)
         if train:
-            self.strategy.sum_gradients()
+            self.strategy.sum_gradients(inputs)
 
     def agree_keys(self, logs: dict[str, Any]) -> dict[str, Any]:
         assert self.strategy.runner is not None
@@ -353,17 +375,6 @@ def _unique(params: Sequence[nn.Parameter]) -> list[nn.Parameter]:
             seen.add(id(param))
             unique.append(param)
     return unique
-
-
-def _sum_into_grads(params: Sequence[nn.Parameter], group: Any, context: DistributedContext) -> None:
-    """Sum the gradients of ``params`` over ``group`` in one all-reduce (a parameter without one sends zeros)."""
-    grads = [param.grad if param.grad is not None else torch.zeros_like(param) for param in params]
-    flat = torch.cat([grad.reshape(-1) for grad in grads]).to(comm_device(context))
-    dist.all_reduce(flat, group=group)
-    offset = 0
-    for param, grad in zip(params, grads):
-        param.grad = flat[offset:offset + grad.numel()].view_as(grad).to(grad.device)
-        offset += grad.numel()
 
 
 def _parameter_bytes(module: nn.Module) -> int:

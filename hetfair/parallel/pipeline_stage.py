@@ -11,7 +11,7 @@ model and a copy on each of the two stages, kept equal by summing their gradient
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Optional, Sequence
 
 import torch
 from torch import nn
@@ -31,6 +31,12 @@ class PipelineStage(nn.Module):
         """Tensors on the meta device shaped as the activations that cross a stage boundary for a micro-batch
         with ``net_input`` (the same between any two stages)."""
         raise NotImplementedError
+
+    def tied_rows(self, inputs: dict[str, Any]) -> Optional[torch.Tensor]:
+        """The rows of the tied embeddings (the weight the first and last stage share) that a micro-batch with
+        model ``inputs`` looks up: then only those rows travel between the two stages
+        (:mod:`hetfair.parallel.pipeline_tied`). ``None`` (here): the whole weight's gradients are summed."""
+        return None
 
     def output_work(self) -> float:
         """On a last stage: the work of its output layers per sample, in units of one of its sharding units'
