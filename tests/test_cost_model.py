@@ -160,20 +160,21 @@ PIPELINED = replace(MODEL, boundary_bytes=100_000)  # 100 kB of activations a sa
 def test_a_pipeline_waits_for_its_bubble_and_sends_activations_not_gradients() -> None:
     """Two nodes, one stage each (half the layers), the pipeline's 20 samples in 4 micro-batches of 5: a slot is
     a stage's 5 x 0.5 x 10 ms = 25 ms and, on CPUs, the boundary's 500 kB each way (2 x (0.1 ms + 5 ms)); the last
-    micro-batch leaves after 4 + 2 - 1 slots. The tied embeddings (the 1 MB outside the 3 units of 1 MB) are
-    summed between the two stages, and the statistics all-reduced."""
+    micro-batch leaves after 4 + 2 - 1 slots. The tied embeddings' rows (at most the 1 MB outside the 3 units of
+    1 MB, less than the 20 samples' 2 MB of boundary) go to the first stage and their gradients back, and the
+    statistics are all-reduced."""
     cost = cm.pipeline(job(model=PIPELINED), stages=2, microbatches=4, shares=[0.5, 0.5])
     slot = 0.025 + 2 * (1e-4 + 5e5 / 1e8)
-    tied, stats = 2e-4 + 1e6 / 1e8, 2e-4
+    tied, stats = 2 * (1e-4 + 1e6 / 1e8), 2e-4
     assert cost.compute == pytest.approx(0.1)  # the stages' forward and backward, as one rank's of 20 samples
     assert cost.seconds == pytest.approx(5 * slot + tied + stats)
-    assert cost.network_bytes == pytest.approx(2 * 20 * 1e5 + 2e6)  # 2 MB of activations each way, far below 4 MB
+    assert cost.network_bytes == pytest.approx(2 * 20 * 1e5 + 2e6)  # 2 MB of activations, 1 MB of rows each way
     assert cost.state_memory == (int((2e6 + 1e6) * 4), int((2e6 + 1e6) * 4))  # half the units, and the ends
 
 
 def test_on_gpus_a_pipeline_slot_is_the_longer_of_compute_and_transfer() -> None:
     cost = cm.pipeline(job(model=PIPELINED, overlaps=True), stages=2, microbatches=4, shares=[0.5, 0.5])
-    assert cost.seconds == pytest.approx(5 * 0.025 + 2e-4 + 1e6 / 1e8 + 2e-4)
+    assert cost.seconds == pytest.approx(5 * 0.025 + 2 * (1e-4 + 1e6 / 1e8) + 2e-4)
 
 
 def test_uneven_stages_put_more_layers_on_the_faster_node() -> None:

@@ -271,7 +271,8 @@ class BertModel(BertHeads, HetfairModel):
 
 
 MASKED_SHARE = 0.15
-"""The share of positions BERT's masked-LM head scores (its usual ``--mask-prob``), for :meth:`BertStage.output_work`."""
+"""The share of positions BERT's masked-LM head scores (its usual ``--mask-prob``), for
+:meth:`BertStage.output_work`."""
 
 
 def _pad_positions(value: Any, length: int) -> Any:

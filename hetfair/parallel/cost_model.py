@@ -382,8 +382,9 @@ def pipeline(job: Job, stages: int, microbatches: int, shares: Sequence[float]) 
     stage (GPipe's and 1F1B's bubble alike). A slot is the stage's compute for one micro-batch and, at each
     boundary, the micro-batch's activations one way and their gradients the other (``boundary_bytes`` a sample,
     one message each); on CPUs they add to the slot, on GPUs the longer of the two counts. Each stage's gradients
-    are all-reduced over its replicas (the other pipelines' ranks at its position), and the tied embeddings'
-    between the first and the last stage (the parameters outside the units, at most)."""
+    are all-reduced over its replicas (the other pipelines' ranks at its position). The tied embeddings' rows the
+    update looks up travel between the last and the first stage, each way once (:mod:`hetfair.parallel.pipeline_tied`):
+    at most the parameters outside the units, and at most a token's row per token (the boundary's bytes)."""
     model, world = job.model, job.world
     pipes = world // stages
     positions = [[job.ranks[position * pipes + pipe] for pipe in range(pipes)] for position in range(stages)]
@@ -399,13 +400,14 @@ def pipeline(job: Job, stages: int, microbatches: int, shares: Sequence[float]) 
     outside = max(0.0, size - (model.units - 1) * model.largest_unit_bytes)
     replica_link = job.intra_link() if job.nodes > 1 else job.ring_link()
     replicas = max(all_reduce(replica_link, share * size, pipes, ddp_buckets(share * size)) for share in shares)
-    tied = all_reduce(boundary_link, outside, 2) if stages > 1 else 0.0
+    rows = min(outside, batch * model.boundary_bytes)  # the tied embeddings' rows the update looks up, at most
+    tied = 2 * (boundary_link.latency + rows / boundary_link.bandwidth) if stages > 1 else 0.0
     forward_backward = microbatches * max(works)  # the busiest stage's own compute
     step_rank = positions[0][0]
     step = (3 + 2 * model.optimizer_ratio) * size * max(shares) / step_rank.memory_bandwidth \
         if step_rank.memory_bandwidth else 0.0
     communication = (microbatches + stages - 1) * hop + replicas + tied + stats_sync(job)
     state = [int((share * size + outside) * (2 + model.optimizer_ratio)) for share in shares for _ in range(pipes)]
-    network = 2 * batch * model.boundary_bytes + 2 * outside if job.nodes > 1 else 0.0
+    network = 2 * batch * model.boundary_bytes + 2 * rows if job.nodes > 1 else 0.0
     return UpdateCost(forward_backward + step, communication,
                       flight - forward_backward + replicas + tied + stats_sync(job), tuple(state), network)
