@@ -35,7 +35,6 @@ from hetfair.run.config import DataConfig, LoopConfig
 from hetfair.run.loop import TrainingLoop
 from hetfair.parallel import STRATEGY_REGISTRY
 from hetfair.parallel.collectives import all_gather_json
-from hetfair.plan.measure import step_seconds
 from hetfair.run.startup import LOSS_SCALE, PARALLELISM, JobFacts, RankFacts, agree_at_start_up, group_caps
 from hetfair.run.state import BalancerPart, BatchPart, Position, TrainingClock
 from hetfair.run.validation import Validator
@@ -186,7 +185,7 @@ class TrainingRun(TrainingLoop):
         whole_parameters = sum(p.numel() for p in model.parameters())
         parallel = complete_parallel_config(config.parallel, job.budgets, job.budgets_measured, self._notice)
         if STRATEGY_REGISTRY.get(parallel.ddp_backend).wants_rank_speeds(parallel):
-            parallel = replace(parallel, rank_speeds=self._rank_speeds(components), rank_budgets=tuple(job.budgets),
+            parallel = replace(parallel, rank_speeds=self._rank_speeds(wiring, components), rank_budgets=tuple(job.budgets),
                                optimizer_ratio=wiring.optimizer_state_ratio())
         self.trainer = wiring.build_trainer(components, job_loss_scaler(job.precisions, config.precision.loss_scale),
                                             parallel)
@@ -228,13 +227,10 @@ class TrainingRun(TrainingLoop):
             self._notice(line)
         self._announce(whole_parameters)
 
-    def _rank_speeds(self, components: Components) -> tuple[float, ...]:
-        """Every rank's samples per second through the whole model (its timed forward and backward of the dummy
-        batch, as the plan's probe times them); a collective."""
-        seconds = step_seconds(components.model, components.criterion, components.dummy, self.context.device,
-                               self.config.precision.precision)
-        samples = int(components.dummy.get("nsentences", 1))
-        return tuple(float(speed) for speed in all_gather_json(self.context, samples / max(seconds, 1e-9)))
+    def _rank_speeds(self, wiring: RunWiring, components: Components) -> tuple[float, ...]:
+        """Every rank's samples per second through the whole model (:meth:`RunWiring.samples_per_second`); a
+        collective."""
+        return tuple(float(speed) for speed in all_gather_json(self.context, wiring.samples_per_second(components)))
 
     def _check_schedule_length(self, scheduled_updates: int) -> None:
         """Warn where ``--total-num-update`` (``scheduled_updates``) is not about the updates this run will make."""

@@ -24,6 +24,7 @@ from hetfair.options import plain_config
 from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig, build_strategy
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.cost_model import ModelCost
+from hetfair.plan.measure import SAMPLES, step_seconds
 from hetfair.plan.model_cost import measure_model_cost
 from hetfair.plan.planner import JobPlan, Planner, plan_probes
 from hetfair.plan.probe import longest_sample_batches
@@ -109,6 +110,18 @@ class RunWiring:
         """What the model costs on any device, for the cluster plan (:mod:`hetfair.plan.model_cost`)."""
         batch_of, units, build_optimizer = self._plan_inputs(components)
         return measure_model_cost(components.model, components.criterion, batch_of, units, build_optimizer)
+
+    def samples_per_second(self, components: Components) -> float:
+        """This rank's samples per second through the whole model, forward and backward, on a step of 16 of the
+        task's longest samples timed as the cluster plan times a device (:func:`hetfair.plan.measure.step_seconds`:
+        the mean of 3 after one untimed). One size, not the plan's difference of two: a speed to compare ranks by
+        needs no split of the per-update overhead, and a difference of two timings is the noisier (under a CPU
+        quota, the one rank with half the CPU measured faster than the other)."""
+        batch_of, _units, _build = self._plan_inputs(components)
+        samples = 2 * SAMPLES
+        seconds = step_seconds(components.model, components.criterion, batch_of(samples), self.context.device,
+                               self.config.precision.precision)
+        return samples / seconds
 
     def _plan_inputs(self, components: Components) -> tuple[Callable[[int], dict[str, Any]], list[torch.nn.Module],
                                                             OptimizerFactory]:
