@@ -10,9 +10,9 @@ gradients are summed over its replicas in one all-reduce after the update's last
 DDP: its reducer synchronises at the end of every schedule step, and pipelines whose micro-batches
 come in different shapes (one step per shape) run different numbers of steps, so their all-reduces
 would not line up. The update stays hetfair's: the criterion's summed losses on the last stage, the
-global sample count, one loss scale. A parameter two stages share (tied embeddings) has its two
-gradients summed. Checkpoints hold the whole model
-and optimizer in the plain format (:mod:`hetfair.parallel.pipeline_state`).
+global sample count, one loss scale. A parameter the first and last stage share (tied embeddings)
+is the last stage's, lent to the first by rows (:mod:`hetfair.parallel.pipeline_tied`). Checkpoints
+hold the whole model and optimizer in the plain format (:mod:`hetfair.parallel.pipeline_state`).
 """
 
 from __future__ import annotations
@@ -25,12 +25,12 @@ import torch.distributed as dist
 from torch import nn
 
 from hetfair.errors import ConfigError
-from hetfair.parallel.pipeline_stage import PipelineStage as ModelStage
 from hetfair.parallel import cost_model, register_strategy
 from hetfair.parallel.collectives import all_gather_ints, comm_device
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.pipeline_schedule import LossOf, PipelineRunner
+from hetfair.parallel.pipeline_stage import PipelineStage as ModelStage
 from hetfair.parallel.pipeline_split import (
     balanced_split,
     check_split_text,
@@ -50,7 +50,8 @@ from hetfair.parallel.strategy import Strategy, refusal_of_backend
 
 @register_strategy("pipeline")
 class PipelineStrategy(Strategy):
-    """torch.distributed.pipelining's schedules over the stages of each pipeline, DDP across the pipelines."""
+    """torch.distributed.pipelining's schedules over the stages of each pipeline, gradients summed across the
+    pipelines."""
 
     owned_flags = ("--pipeline-stages", "--pipeline-schedule", "--pipeline-microbatches", "--pipeline-split",
                    "--pipeline-layout")
