@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -91,8 +93,10 @@ def test_a_crashed_worker_stops_the_others_with_one_line(tmp_path):
 
 
 def test_workers_stop_and_remove_the_jobs_store_when_their_launcher_is_killed(tmp_path):
-    temp = tmp_path / "tmp"  # where the launcher makes its private rendezvous directory
-    temp.mkdir()
+    # where the launcher makes its private rendezvous directory: a short path, as TMPDIR also holds the fork
+    # server's socket, whose path may not exceed 107 bytes (under tmp_path it did once pytest's run counter
+    # had three digits and its workers' prefixes were added)
+    temp = Path(tempfile.mkdtemp(prefix="hf-"))
     launcher = subprocess.Popen(train_command(*long_run(tmp_path, "--distributed-world-size", "2")), cwd=tmp_path,
                                 env={**subprocess_env(), "TMPDIR": str(temp)}, stdout=subprocess.PIPE,
                                 stderr=subprocess.PIPE, text=True)
@@ -112,6 +116,7 @@ def test_workers_stop_and_remove_the_jobs_store_when_their_launcher_is_killed(tm
     finally:
         for pid in worker_pids(launcher.pid):
             os.kill(pid, signal.SIGKILL)
+        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_no_temporary_checkpoint_is_left_by_a_stop(tmp_path):
