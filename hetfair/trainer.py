@@ -243,16 +243,9 @@ class Trainer:
             with self.strategy.gradient_sync(self.wrapped_model, is_last):
                 with autocast(self.config.precision, self.context.device):
                     loss, sample_size, logs = self.criterion(self.wrapped_model, batch)
-                if sample is None:
-                    loss = loss * 0.0  # joins the gradient all-reduce with a zero gradient
-                    # zeroed logs keep the key set identical on every rank for the packed all-reduce
-                    logs = {k: 0.0 if isinstance(v, (int, float)) else v for k, v in logs.items()}
-                    sample_size = 0
-                else:
+                loss = _tally(totals, batch, sample is not None, loss, sample_size, logs)
+                if sample is not None:
                     local_samples += int(batch["nsentences"])
-                sum_logs(totals, {**_batch_counts(batch, logs, sample is not None), **logs,
-                                  "sample_size": float(sample_size)})
-                totals.update((key, value) for key, value in logs.items() if not is_summable(value))
                 if is_last and stats_samples is not None:
                     # the stats all-reduce (logs, global sample size, per-rank timings) overlaps the last backward
                     pending = self._start_stats_sync(totals, stats_samples + local_samples)
@@ -274,14 +267,9 @@ class Trainer:
         batches = [move_to_device(sample if sample is not None else self._dummy_batch, device) for sample in samples]
 
         def loss_of(output: Any, index: int) -> torch.Tensor:
-            batch, real = batches[index], samples[index] is not None
-            loss, sample_size, logs = self.criterion(_Output(output), batch)
-            if not real:
-                loss = loss * 0.0
-                logs = {k: 0.0 if isinstance(v, (int, float)) else v for k, v in logs.items()}
-                sample_size = 0
-            sum_logs(totals, {**_batch_counts(batch, logs, real), **logs, "sample_size": float(sample_size)})
-            totals.update((key, value) for key, value in logs.items() if not is_summable(value))
+            batch = batches[index]
+            loss = _tally(totals, batch, samples[index] is not None,
+                          *self.criterion(lambda **inputs: output, batch))  # the model's output is known
             return loss * self.loss_scaler.scale if self.loss_scaler is not None else loss
 
         _seed_rng(derived_seed(self.config.seed, self.num_updates, first_index, self.context.rank), device)
@@ -455,14 +443,18 @@ def _fused_step(optimizer: torch.optim.Optimizer) -> bool:
         group.get("fused") for group in optimizer.param_groups)
 
 
-class _Output:
-    """A stand-in for the model that the criterion calls on a pipeline's last stage: its output is known."""
-
-    def __init__(self, output: Any) -> None:
-        self.output = output
-
-    def __call__(self, **inputs: Any) -> Any:
-        return self.output
+def _tally(totals: dict[str, Any], batch: dict[str, Any], has_samples: bool, loss: torch.Tensor,
+           sample_size: float, logs: dict[str, Any]) -> torch.Tensor:
+    """Add one micro-batch's logs and sample size into ``totals``; its loss to backpropagate. A micro-batch that
+    only joins the collectives (``has_samples`` false) counts nothing: its loss joins the gradient all-reduce as
+    zero, and its logs as zeros, which keep the key set identical on every rank for the packed all-reduce."""
+    if not has_samples:
+        loss = loss * 0.0
+        logs = {k: 0.0 if isinstance(v, (int, float)) else v for k, v in logs.items()}
+        sample_size = 0
+    sum_logs(totals, {**_batch_counts(batch, logs, has_samples), **logs, "sample_size": float(sample_size)})
+    totals.update((key, value) for key, value in logs.items() if not is_summable(value))
+    return loss
 
 
 def _batch_counts(batch: dict[str, Any], logs: dict[str, Any], has_samples: bool) -> dict[str, float]:

@@ -7,10 +7,10 @@ dynamic mode would send pickled shape metadata between ranks, and hetfair unpick
 peer sends. Static shapes mean one ``PipelineStage`` per micro-batch shape: an update's
 micro-batches are first made one shape where the family can (BERT pads them to the longest,
 :meth:`PipelineStage.one_shape`), then run in groups of one shape (usually one group), each
-group one schedule step, gradients accumulating over the groups. Every stage gets each micro-batch's model inputs
-(the same samples load on every stage of a pipeline); the criterion runs on the last stage,
-whose summed losses the schedule backpropagates unscaled (``scale_grads=False``): the trainer
-normalises by the global sample count, as in every mode.
+group one schedule step, gradients accumulating over the groups. Every stage gets each
+micro-batch's model inputs (the same samples load on every stage of a pipeline); the criterion
+runs on the last stage, whose summed losses the schedule backpropagates unscaled
+(``scale_grads=False``): the trainer normalises by the global sample count, as in every mode.
 """
 
 from __future__ import annotations

@@ -26,23 +26,31 @@ def gather_model_state(full_keys: Sequence[str], shapes: dict[str, tuple[torch.S
                        owners: dict[str, int], own: Tensors, context: DistributedContext) -> Tensors:
     """The whole state dict on the master (``{}`` elsewhere): key ``k`` (shape and dtype ``shapes[k]``) comes from
     rank ``owners[k]``, which holds it in ``own``. A collective of the owners and the master."""
-    device = comm_device(context)
     gathered: Tensors = {}
     for key in full_keys:
-        owner = owners[key]
-        if context.rank == owner == 0:
-            gathered[key] = own[key].detach().clone()
-        elif context.rank == owner:
-            dist.send(own[key].detach().contiguous().to(device), dst=0)
-        elif context.is_master:
-            shape, dtype = shapes[key]
-            buffer = torch.empty(shape, dtype=dtype, device=device)
-            dist.recv(buffer, src=owner)
-            gathered[key] = buffer.to(own_device(own))
+        value = _to_master(own.get(key), owners[key], *shapes[key], context)
+        if value is not None:
+            gathered[key] = value.to(_own_device(own))
     return gathered
 
 
-def own_device(own: Tensors) -> torch.device:
+def _to_master(tensor: Optional[torch.Tensor], owner: int, shape: Sequence[int], dtype: torch.dtype,
+               context: DistributedContext) -> Optional[torch.Tensor]:
+    """``tensor`` (held by rank ``owner``, of ``shape`` and ``dtype``) on the master, a copy; ``None`` elsewhere.
+    Point-to-point from the owner, nothing where the master owns it."""
+    if context.rank == owner:
+        assert tensor is not None
+        if context.is_master:
+            return tensor.detach().clone()
+        dist.send(tensor.detach().contiguous().to(comm_device(context)), dst=0)
+    elif context.is_master:
+        buffer = torch.empty(shape, dtype=dtype, device=comm_device(context))
+        dist.recv(buffer, src=owner)
+        return buffer
+    return None
+
+
+def _own_device(own: Tensors) -> torch.device:
     return next(iter(own.values())).device if own else torch.device("cpu")
 
 
@@ -60,22 +68,17 @@ def gather_optimizer_state(optimizer: torch.optim.Optimizer, full_index: Sequenc
             owners.setdefault(index, rank)
     state: dict[int, dict[str, Any]] = {}
     by_full = {str(full_index[index]): values for index, values in local["state"].items()}
-    device = comm_device(context)
     for index in sorted(owners, key=int):
         owner, described = owners[index], headers[owners[index]][index]
         entry: dict[str, Any] = {}
         for name, (kind, value) in described.items():
             if kind == "value":
                 entry[name] = value
-            elif context.rank == owner == 0:
-                entry[name] = by_full[index][name].detach().clone()
-            elif context.rank == owner:
-                dist.send(by_full[index][name].detach().contiguous().to(device), dst=0)
-            elif context.is_master:
-                shape, dtype = value
-                buffer = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
-                dist.recv(buffer, src=owner)
-                entry[name] = buffer
+                continue
+            shape, dtype = value
+            tensor = _to_master(by_full.get(index, {}).get(name), owner, shape, getattr(torch, dtype), context)
+            if tensor is not None:
+                entry[name] = tensor
         state[int(index)] = entry
     if not context.is_master:
         return None

@@ -9,7 +9,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 from hetfair.balance import LoadBalancer
 from hetfair.checkpoint.layout import Checkpointer
@@ -80,11 +80,7 @@ class RunReports:
             return
         step = self.shape.step_size
         split = self.balancer.split if self.balancer is not None else split_counts(step, self.caps, self.caps)
-        shares = [0.0] * self.context.world_size
-        for group, count in zip(self.data_groups, split):
-            for rank in group:
-                shares[rank] = count / step
-        for line in self.plan.lines(self._caps_by_rank(), shares):
+        for line in self.plan.lines(self._by_rank(self.caps), self._by_rank([count / step for count in split])):
             self._notice(line)
         if self.config.loop.dry_run:
             self._notice("dry run | the plan above; nothing was trained or written (drop --dry-run to train)")
@@ -100,13 +96,13 @@ class RunReports:
         kept = self.comm.mode if self.comm.requested == "auto" and self.comm.mode != "none" else None
         return CommAdvisor(link, self.comm.requested, kept, self.comm)
 
-    def _caps_by_rank(self) -> list[int]:
-        """Each rank's micro-batch: its data group's (the ranks of a pipeline load the same samples)."""
-        caps = [0] * self.context.world_size
-        for group, cap in zip(self.data_groups, self.caps):
+    def _by_rank(self, values: list[Any]) -> list[Any]:
+        """Each rank's entry of ``values``, which are by data group (a pipeline's ranks load the same samples)."""
+        by_rank: list[Any] = [None] * self.context.world_size
+        for group, value in zip(self.data_groups, values):
             for rank in group:
-                caps[rank] = cap
-        return caps
+                by_rank[rank] = value
+        return by_rank
 
     def _boundary_bytes(self) -> float:
         """The activations a pipeline of this model would send across a stage boundary per update of this rank's
@@ -190,7 +186,7 @@ class RunReports:
                                     "global_batch": self.nominal_shape.step_size,
                                     "train_samples": len(self.train_data)},
                           self.position.epoch, self.trainer.num_updates)
-        caps = ", ".join(f"rank {rank}: {cap}" for rank, cap in enumerate(self._caps_by_rank()))
+        caps = ", ".join(f"rank {rank}: {cap}" for rank, cap in enumerate(self._by_rank(self.caps)))
         precisions = ", ".join(f"rank {r}: {p}" for r, p in enumerate(self.precisions))
         scaler = self.trainer.loss_scaler
         scaling = f" | loss scale {scaler.scale:g}" if scaler is not None else ""
