@@ -57,6 +57,8 @@ def test_uneven_fractions_give_the_plain_update(tmp_path, batch_sizes, fractions
         () if reshard else ("--no-reshard-after-forward",))
     stderr = run_uneven(tmp_path, tmp_path / "ckpt", batch_sizes, fractions, extra, update_freq=2)
     assert_same(final_parameters(tmp_path / "ckpt"), expected)
+    (plan,) = [line for line in stderr[0].splitlines() if "plan | uneven shards" in line]
+    assert "gradients reduced by all-reduce" in plan and "all-reduce" in plan and "padded all-gather" in plan, plan
     report = shard_record(stderr[0])
     held = [report[f"state_bytes{rank}"] for rank in range(len(batch_sizes))]
     for rank, size in enumerate(held):  # parameters, gradients, SGD has no state: the fraction of the whole

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hetfair.errors import ConfigError
+from hetfair.memory.sizes import format_size
 from hetfair.parallel.collectives import all_gather_ints
 from hetfair.parallel.config import ParallelConfig
 from hetfair.parallel.context import DistributedContext
@@ -72,6 +73,16 @@ class UnevenShardedStrategy(ShardedGradientsStrategy):
     def largest_gathered_unit_bytes(self) -> int:
         assert self.engine is not None
         return max((unit.full_bytes for unit in self.engine.units), default=0)
+
+    def plan_lines(self, caps: Sequence[int]) -> list[str]:
+        """How the units travel: the gather the start-up probe chose (with both timings) and the reduction."""
+        assert self.engine is not None
+        times = self.engine.gather_seconds
+        reduction = "all-reduce" if times else "padded reduce-scatter"
+        probe = f" (start-up probe of a {format_size(4 * self.engine.probe_elements)} fp32 unit: " + ", ".join(
+            f"{name} {seconds * 1000:.1f} ms" for name, seconds in times.items()) + ")" if times else ""
+        return [f"plan | uneven shards: units gathered by {self.engine.gather_name}{probe}, gradients reduced by "
+                f"{reduction}; the next unit's gather and the last unit's reduction run beside the compute"]
 
     # -- one update ---------------------------------------------------------------------------
     def local_tensors(self, tensors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
