@@ -82,12 +82,27 @@ def test_fully_sharded_gathers_twice_and_reduce_scatters_once_per_unit() -> None
     assert cost.state_memory == (10_000_000, 10_000_000)  # half of 16 MB, and the 1 MB unit (and its gradients) whole
 
 
-def test_uneven_shards_send_every_segment_padded_to_the_largest() -> None:
+def test_uneven_shards_on_gloo_reduce_by_all_reduce_and_gather_the_faster_way() -> None:
     cost = cm.uneven_sharded(job(), (0.25, 0.75))
-    gather = 4 * 1e-4 + 0.75 * 4e6 / 1e8
-    scatter = 4 * 2 * 1e-4 + 2 * 0.75 * 4e6 / 1e8  # gloo: an all-reduce of both padded segments
-    assert cost.seconds == pytest.approx(0.1 + 2 * gather + scatter + 2e-4)
+    padded_gather = 4 * 1e-4 + 0.75 * 4e6 / 1e8  # each rank sends its segment padded to the 3 MB share
+    all_reduce = 4 * 2 * 1e-4 + 4e6 / 1e8  # the 4 MB of each unit's gradients, unpadded
+    assert padded_gather < all_reduce  # two ranks: the padded gather sends 3 MB, an all-reduce 4 MB
+    assert cost.seconds == pytest.approx(0.1 + 2 * padded_gather + all_reduce + 2e-4)
+    assert cost.network_bytes == pytest.approx(2 * 0.75 * 4e6 + 4e6)
     assert cost.state_memory == (6_000_000, 14_000_000)
+    four = job(nodes=4)  # 1:1:1:7: a padded gather sends 3 x 2.8 MB, an all-reduce of the gathered unit 1.5 x 4 MB
+    summed = cm.uneven_sharded(four, (0.1, 0.1, 0.1, 0.7))
+    summed_gather = 4 * 6 * 1e-4 + 1.5 * 4e6 / 1e8
+    assert summed_gather < 4 * 3 * 1e-4 + 3 * 0.7 * 4e6 / 1e8
+    assert summed.seconds == pytest.approx(0.1 + 3 * summed_gather + 2 * 3 * 1e-4)  # stats: 2 (W - 1) latencies
+
+
+def test_uneven_shards_on_gpus_send_padded_segments_behind_the_compute() -> None:
+    cost = cm.uneven_sharded(job(overlaps=True), (0.25, 0.75))
+    gather = 4 * 1e-4 + 0.75 * 4e6 / 1e8
+    scatter = 4 * 1e-4 + 0.5 * 2 * 0.75 * 4e6 / 1e8  # a ring reduce-scatter of both padded segments
+    assert cost.communication == pytest.approx(2 * gather + scatter + 2e-4)
+    assert cost.exposed == pytest.approx(gather / 4 + (gather + scatter) / 4 + 2e-4)  # all but one unit's hidden
 
 
 def test_hybrid_shards_inside_nodes_and_all_reduces_the_shards_across() -> None:

@@ -309,21 +309,30 @@ def fully_sharded(job: Job) -> UpdateCost:
 
 
 def uneven_sharded(job: Job, fractions: Sequence[float]) -> UpdateCost:
-    """``fully_sharded --shard-fractions`` (hetfair's uneven engine): rank ``r`` holds ``fractions[r]``; each unit's
-    all-gathers (two per micro-batch) and reduce-scatter send every rank's segment padded to the largest share,
-    synchronously."""
+    """``fully_sharded --shard-fractions`` (hetfair's uneven engine): rank ``r`` holds ``fractions[r]``; per unit two
+    gathers per micro-batch and one reduction, prefetched and overlapped as FSDP2's (on GPUs). NCCL's are padded: each
+    rank's segment to the largest share. On gloo the reduction is an all-reduce of the unit, and the gather the
+    faster of a padded all-gather and an all-reduce (the engine times both at start-up; here the faster predicted)."""
     model, world = job.model, job.world
     size = model.parameter_bytes
     padded = max(fractions) * size
-    link, units = job.ring_link(), model.units
-    gathers = 2 * job.accumulation * send_to_all(link, padded, world, units)
-    scatter = reduce_scatter(job, link, world * padded, world, units)  # the segments' buffer, padded
-    communication = gathers + scatter + stats_sync(job)
+    link, units, micro = job.ring_link(), model.units, job.accumulation
+    padded_gather = send_to_all(link, padded, world, units)
+    if job.overlaps:
+        gather, gather_bytes = padded_gather, (world - 1) * padded
+        scatter, scatter_bytes = all_gather(link, world * padded, world, units), (world - 1) * padded
+    else:
+        summed_gather = all_reduce(link, size, world, units)
+        summed_bytes = 2 * (world - 1) / world * size
+        gather, gather_bytes = min((padded_gather, (world - 1) * padded), (summed_gather, summed_bytes))
+        scatter, scatter_bytes = all_reduce(link, size, world, units), summed_bytes
     forward_backward, step = compute_seconds(job, fractions)
+    forward = FORWARD_SHARE * forward_backward
+    hidden = exposed(job, micro * gather, forward, micro * units) \
+        + exposed(job, micro * gather + scatter, forward_backward - forward, micro * units)
     state = [size * (2 + model.optimizer_ratio) * f + 2 * model.largest_unit_bytes for f in fractions]
-    scattered = (1 if job.overlaps else 2) * (world - 1) * padded
-    return UpdateCost(forward_backward + step, communication, communication, _bytes(state),
-                      2 * job.accumulation * (world - 1) * padded + scattered if job.nodes > 1 else 0.0)
+    return UpdateCost(forward_backward + step, 2 * micro * gather + scatter + stats_sync(job), hidden + stats_sync(job),
+                      _bytes(state), 2 * micro * gather_bytes + scatter_bytes if job.nodes > 1 else 0.0)
 
 
 def hybrid_sharded(job: Job) -> UpdateCost:
