@@ -1,5 +1,9 @@
 """Automatic load balancing: split each global batch so that all ranks finish together.
 
+The first split is in proportion to each rank's speed where a start-up probe measured them (``speeds``:
+one short step per rank, see :func:`probe_samples`), else to the ranks' batch sizes. From a probed
+start, which is near balance already, the first decision comes after one measured update.
+
 After every update each rank knows every rank's samples and compute seconds
 (the trainer syncs them in its single stats all-reduce). The balancer averages
 them per rank (a running mean over the first updates at a split, then an
@@ -32,6 +36,7 @@ from dataclasses import dataclass
 from typing import Any, Optional, Sequence
 
 from hetfair.data.batch_plan import split_counts
+from hetfair.errors import ConfigError
 
 _MIN_SPREAD = 0.2
 """Two splits of a rank give its overhead only when they differ by this fraction of the larger."""
@@ -39,6 +44,16 @@ FIRST_INTERVAL = 2
 """Measured updates before the first decision with the command's flags (see :meth:`BalanceConfig.from_args`)."""
 _MAX_OVERHEAD = 0.9
 """Fitted overheads are clamped to this fraction of the measured step time."""
+STARTS = ("probe", "batch-sizes")
+"""Where ``--balance-start`` starts the split: the probed speeds, or the batch sizes."""
+PROBE_PART = 8
+"""The start-up probe times a step of this part of a rank's starting share (at least one sample): with the
+untimed step before it, a quarter of that rank's first step, cheaper than one update at an unbalanced split."""
+
+
+def probe_samples(share: int) -> int:
+    """Samples of the start-up probe's step on a rank whose share of a step at the batch sizes' split is ``share``."""
+    return max(1, -(-share // PROBE_PART))
 
 
 @dataclass(frozen=True)
@@ -60,29 +75,41 @@ class BalanceConfig:
     lag: int = 0
     """Updates between an update and the arrival of its timings: after a re-split, the next ``lag``
     observations still measure the old split and are dropped."""
+    start: str = "probe"
+    """Where the split starts (one of :data:`STARTS`): the run probes speeds for ``probe``."""
 
     @classmethod
     def from_args(cls, args: argparse.Namespace, lag: int = 0) -> "BalanceConfig":
-        # the first decision (far from balance, where waiting costs most) comes after 2 measured updates
+        """The flags' tuning; a ``--balance-start`` not in :data:`STARTS` is a :class:`ConfigError`."""
+        if args.balance_start not in STARTS:
+            raise ConfigError(f"--balance-start must be one of {', '.join(STARTS)}, got '{args.balance_start}'")
+        # from the batch sizes the first decision (far from balance, where waiting costs most) comes after 2
+        # measured updates
         return cls(args.balance_warmup_updates, args.balance_interval, args.balance_smoothing,
-                   args.balance_threshold, first_interval=min(FIRST_INTERVAL, args.balance_interval), lag=lag)
+                   args.balance_threshold, first_interval=min(FIRST_INTERVAL, args.balance_interval), lag=lag,
+                   start=args.balance_start)
 
 
 class LoadBalancer:
     """Chooses the per-rank split of each global batch from measured compute times.
 
     ``split[r]`` is the number of samples rank ``r`` takes from a full global batch;
-    it never exceeds ``caps[r]`` and is at least 1, so every rank stays measured.
+    it never exceeds ``caps[r]`` and is at least 1, so every rank stays measured. It starts
+    in proportion to ``speeds`` (samples per second, e.g. probed) where given, else to ``caps``.
     """
 
-    def __init__(self, caps: Sequence[int], global_batch_size: int, config: BalanceConfig) -> None:
+    def __init__(self, caps: Sequence[int], global_batch_size: int, config: BalanceConfig,
+                 speeds: Optional[Sequence[float]] = None) -> None:
         if not len(caps) <= global_batch_size <= sum(caps):
             raise ValueError(f"global batch {global_batch_size} must give each of {len(caps)} ranks a sample "
                              f"and fit their capacities {list(caps)}")
         self.caps = [int(c) for c in caps]
         self.global_batch_size = int(global_batch_size)
         self.config = config
-        self.split = self._split_for(self.caps)
+        self.split = self._split_for(self.caps if speeds is None else speeds)
+        # measured updates before the first decision: one from speeds (near balance already, and the threshold
+        # keeps one update's noise from moving it), else the config's
+        self._first_wait = config.first_interval if speeds is None else min(1, config.first_interval)
         self.resplits = 0
         self._updates_seen = 0
         self._stale = 0  # observations still to come that measure a superseded split
@@ -115,6 +142,7 @@ class LoadBalancer:
             self._previous = None
             self._restart_measurements()
             self._fresh = True
+            self._first_wait = self.config.first_interval
             self._average(last_samples, last_seconds)
             self._measured = 1
             departed = []
@@ -135,10 +163,10 @@ class LoadBalancer:
         return list(proposal)
 
     def _deciding(self) -> bool:
-        """Whether this update ends a decision interval: ``first_interval`` before the first decision
-        and after a speed change (``_fresh``), then every ``interval`` measured updates."""
-        if self._fresh and self.config.first_interval:
-            if self._measured < self.config.first_interval:
+        """Whether this update ends a decision interval: ``first_interval`` (one from speeds) before the first
+        decision, ``first_interval`` after a speed change (``_fresh``), then every ``interval`` measured updates."""
+        if self._fresh and self._first_wait:
+            if self._measured < self._first_wait:
                 return False
             self._fresh = False
             self._measured_at_fresh = self._measured
@@ -257,7 +285,7 @@ class LoadBalancer:
         return {"caps": list(self.caps), "split": list(self.split), "resplits": self.resplits, "measured": self._measured,
                 "samples": list(self._samples), "seconds": list(self._seconds),
                 "previous": self._previous, "last": self._last, "departed": list(self._departed),
-                "fresh": self._fresh, "measured_at_fresh": self._measured_at_fresh}
+                "fresh": self._fresh, "measured_at_fresh": self._measured_at_fresh, "first_wait": self._first_wait}
 
     def load_state_dict(self, state: dict[str, Any]) -> bool:
         """Restore a saved state; ``False`` (and nothing restored) when it is another cluster's (other ranks
@@ -282,6 +310,7 @@ class LoadBalancer:
         self._departed = [int(r) for r in state.get("departed", [])]
         self._fresh = bool(state.get("fresh", False))
         self._measured_at_fresh = int(state.get("measured_at_fresh", 0))
+        self._first_wait = int(state.get("first_wait", self.config.first_interval))
         return True
 
 

@@ -392,8 +392,8 @@ def add_comm_hook_args(parser: argparse.ArgumentParser) -> None:
         _add_component_flags(parser, f"comm hook '{name}'", hook)
 
 
-AUTO_BALANCE = FlagOwner("--auto-balance", True, ("--balance-warmup-updates", "--balance-interval",
-                                                  "--balance-smoothing", "--balance-threshold"))
+AUTO_BALANCE = FlagOwner("--auto-balance", True, ("--balance-start", "--balance-warmup-updates",
+                                                  "--balance-interval", "--balance-smoothing", "--balance-threshold"))
 """The load balancer (:mod:`hetfair.balance`) runs with ``--auto-balance`` only, and owns its flags."""
 
 
@@ -402,6 +402,9 @@ def add_balance_args(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--auto-balance", action="store_true",
                        help="re-split each global batch among processes by their measured speed "
                             "(each process's batch size stays a maximum)")
+    group.add_argument("--balance-start", metavar="probe|batch-sizes", default="probe",
+                       help="the first split: probe (time one short step on every process at start-up and split by "
+                            "speed) or batch-sizes (in proportion to the batch sizes)")
     _option(group, "--balance-warmup-updates", bounds=Bounds(0), type=int, default=1, metavar="N",
             help="updates to ignore after start-up before measuring speeds")
     _option(group, "--balance-interval", bounds=Bounds(1), type=int, default=3, metavar="N",

@@ -3,14 +3,15 @@
 Policy tests feed :class:`LoadBalancer` synthetic timings (pure Python). The
 cluster tests run real gloo processes of the simulated cluster in
 ``benchmarks/simcluster`` (forward passes sleep in proportion to batch size over
-each rank's speed) and check the split, the caps, resume and the final
-parameters against a plain PyTorch loop over the same global batches.
+each rank's speed) and check the probed start, the split, the caps, resume and the
+final parameters against a plain PyTorch loop over the same global batches.
 """
 
 from __future__ import annotations
 
 import json
 import random
+import re
 import shutil
 from argparse import Namespace
 from dataclasses import replace
@@ -23,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hetfair.balance import BalanceConfig, LoadBalancer
+from hetfair.balance import BalanceConfig, LoadBalancer, probe_samples
 from hetfair.logging.meters import IntervalStats
 from hetfair.parallel.stats import UpdateResult
 from hetfair_cli.train import main
@@ -138,13 +139,28 @@ def test_a_saved_split_that_does_not_fit_is_refused(caps, global_batch):
     assert fresh.split == initial
 
 
+@pytest.mark.parametrize("caps, global_batch, speeds, split", [
+    ([64] * 4, 128, [25.0, 25.0, 50.0, 100.0], [16, 16, 32, 64]),  # 128 in proportion 1:1:2:4
+    ([64, 64, 64, 40], 128, [25.0, 25.0, 50.0, 100.0], [22, 22, 44, 40]),  # rank 3 capped, 88 go 1:1:2
+    ([64] * 3, 10, [3.0, 1.0, 1.0], [6, 2, 2]),
+    ([16, 64], 16, [0.001, 1000.0], [1, 15]),  # every rank keeps a sample
+])
+def test_a_start_from_speeds_splits_in_proportion_under_caps(caps, global_batch, speeds, split):
+    assert LoadBalancer(caps, global_batch, default_config(), speeds).split == split
+    assert LoadBalancer(caps, global_batch, default_config()).split != split  # the batch sizes' start differs
+
+
+def test_probe_steps_are_an_eighth_of_the_share_and_at_least_one_sample():
+    assert [probe_samples(share) for share in (1, 7, 8, 9, 32, 33)] == [1, 1, 1, 2, 4, 5]
+
+
 # -- the default tuning reacts within a few updates ------------------------------------------
 def default_args() -> Namespace:
     """The ``--balance-*`` defaults of ``hetfair-train``."""
     from hetfair.options import build_parser
 
     parser = build_parser()
-    names = ("warmup_updates", "interval", "smoothing", "threshold")
+    names = ("start", "warmup_updates", "interval", "smoothing", "threshold")
     return Namespace(**{f"balance_{n}": parser.get_default(f"balance_{n}") for n in names})
 
 
@@ -192,6 +208,34 @@ def test_late_timings_with_lag_reach_the_same_splits_one_update_later():
     assert len(on_time) == 2 and [split for _, split in late] == [split for _, split in on_time]
     # one update for the late arrival, one for the dropped observation of the old split after the first re-split
     assert [update for update, _ in late] == [on_time[0][0] + 1, on_time[1][0] + 2]
+
+
+PROBED_OFF = [25.0, 25.0, 50.0, 75.0]  # a probe that saw rank 3 at speed 3 (small steps weigh its overhead)
+
+
+def test_a_probed_start_decides_after_one_measured_update():
+    from_batch_sizes = drive(LoadBalancer([64] * 4, 128, default_config()), linear(SPEEDS_1124), 60)
+    from_speeds = drive(LoadBalancer([64] * 4, 128, default_config(), PROBED_OFF), linear(SPEEDS_1124), 60)
+    assert from_batch_sizes == [(3, IDEAL_1124)]  # warm-up 1, then 2 measured updates
+    assert from_speeds == [(2, IDEAL_1124)]  # warm-up 1, then 1
+    late = LoadBalancer([64] * 4, 128, BalanceConfig.from_args(default_args(), lag=1), PROBED_OFF)
+    assert drive_late(late, linear(SPEEDS_1124), 60) == [(3, IDEAL_1124)]  # as the trainer feeds it
+
+
+def test_a_probed_start_at_balance_holds_under_noise():
+    balancer = LoadBalancer([64] * 4, 128, default_config(), [25.0, 25.0, 50.0, 100.0])
+    assert balancer.split == IDEAL_1124
+    resplits = drive(balancer, noisy(SPEEDS_1124, 0.1), 400)  # as test_noisy_timings_do_not_oscillate
+    assert len(resplits) <= 5 and resplits[-1][0] <= 40
+    assert all(abs(n - ideal) <= 1 for n, ideal in zip(balancer.split, IDEAL_1124))
+
+
+def test_a_restored_probed_start_still_decides_after_one_measured_update():
+    original = LoadBalancer([64] * 4, 128, default_config(), PROBED_OFF)
+    drive(original, linear(SPEEDS_1124), 1)  # the warm-up: no decision yet
+    restored = LoadBalancer([64] * 4, 128, replace(default_config(), warmup_updates=0))
+    assert restored.load_state_dict(json.loads(json.dumps(original.state_dict())))
+    assert drive(restored, linear(SPEEDS_1124), 30) == [(1, IDEAL_1124)]
 
 
 def test_an_update_without_timings_is_not_measured():
@@ -279,6 +323,9 @@ def test_balance_efficiency_is_ideal_over_slowest_rank_time():
                                                                "step of 1 process(es) with batch sizes [16]"),
         (["--auto-balance", "--balance-smoothing", "0"], "--balance-smoothing must be in (0, 1]"),
         (["--auto-balance", "--balance-interval", "0"], "--balance-interval must be at least 1"),
+        (["--auto-balance", "--balance-start", "fastest"],
+         "--balance-start must be one of probe, batch-sizes, got 'fastest'"),
+        (["--balance-start", "probe"], "--balance-start needs --auto-balance"),
     ],
 )
 def test_bad_balance_options_are_one_line_errors(tmp_path, monkeypatch, capsys, flags, message):
@@ -294,7 +341,10 @@ SEED, LR, TRAIN_SIZE, EPOCHS = 5, 0.3, 350, 2  # 15 updates per epoch, the last 
 GLOBAL_BATCH, CAPS = 24, [16, 16, 6]
 SPEEDS, SPEEDS_AFTER, CHANGE_AT = [1, 2, 4], [1, 0.5, 4], 16
 SPLIT, SPLIT_AFTER = [6, 12, 6], [12, 6, 6]  # rank 2 capped at 6, the other 18 go 1:2, then 2:1
+CAPS_SPLIT = [10, 10, 4]  # 24 in proportion to the batch sizes: where --balance-start batch-sizes starts
 INTERVAL = 3
+PROBE_CALLS = 2
+"""Forward calls of the balancer's start-up probe (one untimed step, one timed) before update 1."""
 
 
 def sim_command(save_dir: Path, rank: int, init: str, speeds: Sequence[float], *extra: str) -> list[str]:
@@ -310,24 +360,26 @@ def sim_command(save_dir: Path, rank: int, init: str, speeds: Sequence[float], *
     ]
 
 
-def run_sim_cluster(save_dir: Path, speeds: Sequence[float], *extra: str) -> list[dict[str, Any]]:
-    """Run the three ranks; return rank 0's JSON log records."""
+def run_sim_cluster(save_dir: Path, speeds: Sequence[float], *extra: str) -> tuple[list[dict[str, Any]], str]:
+    """Run the three ranks; return rank 0's JSON log records and its other lines."""
     init = f"tcp://127.0.0.1:{free_port()}"
     commands = [sim_command(save_dir, rank, init, speeds, *extra) for rank in range(len(CAPS))]
     results = run_nodes(commands, cwd=save_dir.parent)
     for result in results:
         assert result.returncode == 0, result.stderr
-    return [json.loads(line) for line in results[0].stderr.splitlines() if line.startswith("{")]
+    lines = results[0].stderr.splitlines()
+    return ([json.loads(line) for line in lines if line.startswith("{")],
+            "\n".join(line for line in lines if not line.startswith("{")))
 
 
 @pytest.fixture(scope="module")
-def balanced_run(tmp_path_factory) -> tuple[list[dict[str, Any]], Path]:
-    """Three ranks of speeds 1:2:4, where rank 1 drops to speed 0.5 after update 16."""
+def balanced_run(tmp_path_factory) -> tuple[list[dict[str, Any]], Path, str]:
+    """Three ranks of speeds 1:2:4, started from probed speeds, where rank 1 drops to speed 0.5 after update 16."""
     save_dir = tmp_path_factory.mktemp("balanced") / "ckpt"
-    logs = run_sim_cluster(save_dir, SPEEDS, "--max-epoch", str(EPOCHS), "--balance-warmup-updates", "2",
-                           "--sim-change-at", str(CHANGE_AT),
-                           "--sim-speeds-after", ",".join(map(str, SPEEDS_AFTER)))
-    return logs, save_dir / "checkpoint_last.pt"
+    logs, lines = run_sim_cluster(save_dir, SPEEDS, "--max-epoch", str(EPOCHS), "--balance-warmup-updates", "2",
+                                  "--sim-change-at", str(PROBE_CALLS + CHANGE_AT),
+                                  "--sim-speeds-after", ",".join(map(str, SPEEDS_AFTER)))
+    return logs, save_dir / "checkpoint_last.pt", lines
 
 
 def load(checkpoint: Path) -> dict[str, Any]:
@@ -368,10 +420,28 @@ def reference_parameters() -> dict[str, torch.Tensor]:
     return {f"net.{name}": value for name, value in model.state_dict().items()}
 
 
+def test_the_first_update_runs_at_the_split_of_the_probed_speeds(balanced_run):
+    logs, _checkpoint, lines = balanced_run
+    assert within_one_sample(samples_per_rank(logs)[1], SPLIT), samples_per_rank(logs)[1]
+    started = re.search(r"^balance \| starting split (\d+),(\d+),(\d+) by the probed speeds .* ([\d.]+) s on the "
+                        r"slowest rank\)$", lines, re.MULTILINE)
+    assert started, lines
+    assert within_one_sample([int(n) for n in started.groups()[:3]], SPLIT)
+    # rank 0 probes two steps of 2 samples (of 10 at the batch sizes' split), 20 ms each: about 0.08 s
+    assert float(started.group(4)) < 1.0
+
+
+def test_balance_start_batch_sizes_starts_in_proportion_to_the_batch_sizes(tmp_path):
+    logs, lines = run_sim_cluster(tmp_path / "ckpt", SPEEDS, "--max-update", "2", "--no-save",
+                                  "--balance-start", "batch-sizes")
+    assert samples_per_rank(logs)[1] == CAPS_SPLIT and "balance |" not in lines
+
+
 def test_moving_the_split_does_not_change_the_parameters(balanced_run):
-    logs, checkpoint = balanced_run
+    logs, checkpoint, _lines = balanced_run
     state = load(checkpoint)
-    assert len([r for r in logs if r["phase"] == "balance"]) >= 2 and state["balance"]["resplits"] >= 2
+    # from the probed start the split moves mid-epoch after the speed change (the first update is at SPLIT)
+    assert len([r for r in logs if r["phase"] == "balance"]) >= 1 and state["balance"]["resplits"] >= 1
     actual, expected = state["trainer"]["model"], reference_parameters()
     assert actual.keys() == expected.keys()
     for name in expected:
@@ -396,12 +466,13 @@ def test_a_slowed_down_rank_is_rebalanced_within_three_intervals(balanced_run):
 
 def test_resume_continues_with_the_saved_split(balanced_run, tmp_path):
     saved = load(balanced_run[1])["balance"]["split"]
-    assert within_one_sample(saved, SPLIT_AFTER) and saved != [10, 10, 4]  # not the caps-proportional start
+    assert within_one_sample(saved, SPLIT_AFTER) and saved != CAPS_SPLIT  # not a fresh start
     save_dir = tmp_path / "ckpt"
     save_dir.mkdir()
     shutil.copy(balanced_run[1], save_dir)
-    # equal speeds and a long warm-up: nothing re-splits, so the first update shows the restored split
-    logs = run_sim_cluster(save_dir, [1, 1, 1], "--max-epoch", str(EPOCHS + 1), "--max-update", str(EPOCHS * 15 + 2),
-                           "--balance-warmup-updates", "100")
+    # equal speeds and a long warm-up: nothing re-splits, so the first update shows the restored split, which
+    # replaces the start the probe found (it runs before the checkpoint is read)
+    logs, lines = run_sim_cluster(save_dir, [1, 1, 1], "--max-epoch", str(EPOCHS + 1),
+                                  "--max-update", str(EPOCHS * 15 + 2), "--balance-warmup-updates", "100")
     samples = samples_per_rank(logs)
-    assert samples[EPOCHS * 15 + 1] == saved
+    assert samples[EPOCHS * 15 + 1] == saved and "balance | starting split " in lines

@@ -6,8 +6,9 @@ for a batch of ``n`` samples, where ``speed`` is this rank's entry of
 ``--sim-speeds`` (the rank comes from torch.distributed). Sleeping instead of
 computing makes processes of speeds 1:1:2:4 behave as such even on 2 shared CPU
 cores. ``--sim-change-at N --sim-speeds-after ...`` switches to other speeds after
-N training forward calls (one per update with ``--update-freq 1``), so a rank
-can slow down mid-run. ``--sim-layers N`` adds N hidden ``Linear(hidden, hidden)`` layers, each a
+N training forward calls (one per update with ``--update-freq 1``, after the two
+of ``--auto-balance``'s start-up probe), so a rank can slow down mid-run.
+``--sim-layers N`` adds N hidden ``Linear(hidden, hidden)`` layers, each a
 sharding unit of its own (a model that sharding shrinks, for the automatic plan's tests).
 """
 

@@ -95,22 +95,22 @@ def step_costs(model: nn.Module, criterion: nn.Module, batch_of: Callable[[int],
 
 
 def step_seconds(model: nn.Module, criterion: nn.Module, batch: dict[str, Any], device: torch.device,
-                 precision: str) -> float:
-    """Seconds of one forward and backward of ``batch`` on ``device`` (the mean of :data:`STEPS` after a warm-up)."""
+                 precision: str, steps: int = STEPS) -> float:
+    """Seconds of one forward and backward of ``batch`` on ``device`` (the mean of ``steps`` after a warm-up)."""
     home = next(model.parameters()).device
     model.to(device)
     batch = move_to_device(batch, device)
     try:
         with untouched(model, device):
-            return _mean_step(model, criterion, batch, device, precision)
+            return _mean_step(model, criterion, batch, device, precision, steps)
     finally:
         model.to(home)
 
 
 def _mean_step(model: nn.Module, criterion: nn.Module, batch: dict[str, Any], device: torch.device,
-               precision: str) -> float:
-    """The mean seconds of :data:`STEPS` forward and backward steps, after one untimed."""
-    for step in range(STEPS + 1):
+               precision: str, steps: int) -> float:
+    """The mean seconds of ``steps`` forward and backward steps, after one untimed."""
+    for step in range(steps + 1):
         if step == 1:
             _synchronize(device)
             started = time.perf_counter()
@@ -119,7 +119,7 @@ def _mean_step(model: nn.Module, criterion: nn.Module, batch: dict[str, Any], de
         loss.backward()
         model.zero_grad(set_to_none=True)
     _synchronize(device)
-    return (time.perf_counter() - started) / STEPS
+    return (time.perf_counter() - started) / steps
 
 
 def device_memory(device: torch.device) -> Optional[int]:

@@ -76,4 +76,5 @@ class BalancerPart:
         if not balancer.load_state_dict(state):
             saved_caps = f" (batch sizes {list(state['caps'])})" if "caps" in state else ""
             self.notice(f"restore | saved split {state['split']}{saved_caps} does not fit this run's batch sizes "
-                        f"{balancer.caps} and global batch {balancer.global_batch_size}: balancing starts afresh")
+                        f"{balancer.caps} and global batch {balancer.global_batch_size}: balancing starts afresh "
+                        f"from {balancer.split}")

@@ -8,11 +8,12 @@ from __future__ import annotations
 import argparse
 import math
 import sys
+import time
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, Callable, Optional
 
-from hetfair.balance import LoadBalancer
+from hetfair.balance import PROBE_PART, BalanceConfig, LoadBalancer, probe_samples
 from hetfair.checkpoint.layout import CheckpointConfig, Checkpointer, Stateful
 from hetfair.data.update_shape import UpdateShape
 from hetfair.errors import ConfigError
@@ -114,6 +115,8 @@ def check_before_start(args: argparse.Namespace) -> None:
         raise ConfigError("--auto-balance and --inner-steps-by time both share the work by speed: drop one "
                           "(--inner-steps-by time gives a fast node more inner steps, --auto-balance more samples "
                           "per step)")
+    if args.auto_balance:
+        BalanceConfig.from_args(args)  # a --balance-start it does not know is one line before any process starts
     CheckpointConfig.from_args(args).check_paths()
     if loop.tensorboard_logdir:
         check_output_dir("--tensorboard-logdir", loop.tensorboard_logdir)
@@ -171,6 +174,8 @@ class TrainingRun(TrainingLoop):
         self.valid_caps = group_caps(job.valid_caps, groups, "--max-sentences-valid")
         self.nominal_shape = command_shape(config.data, self.caps)
         self.shape = fit_shape(config.data, self.nominal_shape, self.caps)
+        self._balance_speeds: Optional[list[float]] = None
+        """Every rank's probed samples per second, where the balancer starts from them."""
         self.balancer = self._new_balancer()
         self._show_plan()
         if not config.loop.dry_run:  # a dry run ends with the plan: nothing trains, nothing is written
@@ -183,6 +188,8 @@ class TrainingRun(TrainingLoop):
         deferred = components.deferred
         param_bytes = parameter_bytes(p for p in model.parameters() if p.requires_grad)  # whole: not sharded yet
         whole_parameters = sum(p.numel() for p in model.parameters())
+        self.clock = TrainingClock()  # from here: the balancer's probe is training time
+        self._start_balancer(wiring, components)
         parallel = complete_parallel_config(config.parallel, job.budgets, job.budgets_measured, self._notice)
         if STRATEGY_REGISTRY.get(parallel.ddp_backend).wants_rank_speeds(parallel):
             parallel = replace(parallel, rank_speeds=self._rank_speeds(wiring, components), rank_budgets=tuple(job.budgets),
@@ -209,7 +216,6 @@ class TrainingRun(TrainingLoop):
                                    forward_every_batch=self.trainer.strategy.joins_every_micro_batch,
                                    data_rank=self.data_rank, runner=self.trainer.strategy.micro_batch_runner())
         self.position = Position()
-        self.clock = TrainingClock()
         self.tensorboard = TensorBoardLogger(config.loop.tensorboard_logdir, enabled=context.is_master)
         reduce_metrics = self.trainer.criterion.reduce_metrics
         self.interval = IntervalStats(reduce_metrics)
@@ -226,6 +232,27 @@ class TrainingRun(TrainingLoop):
         for line in self.trainer.strategy.plan_lines(self.caps):
             self._notice(line)
         self._announce(whole_parameters)
+
+    def _start_balancer(self, wiring: RunWiring, components: Components) -> None:
+        """With ``--balance-start probe`` and several ranks, time one short step on every rank (:func:`probe_samples`,
+        after one untimed; a collective) and start the balancer's split from the speeds. On the unwrapped model,
+        before the strategy's hooks: a model that gets its values only when sharded is not probed. A checkpoint's
+        split, restored after this, replaces the start."""
+        if self.balancer is None or self.config.balance.start != "probe" or len(self.caps) == 1:
+            return
+        if components.deferred:
+            self._notice("balance | the model has no values before it is sharded: no probe, the split starts "
+                         "in proportion to the batch sizes")
+            return
+        started = time.perf_counter()
+        speed = wiring.samples_per_second(components, probe_samples(self.balancer.split[self.data_rank]), steps=1)
+        probes = all_gather_json(self.context, [speed, time.perf_counter() - started])
+        self._balance_speeds = [float(rank_speed) for rank_speed, _seconds in probes]
+        self.balancer = self._new_balancer()
+        speeds = ", ".join(f"{rank_speed:.1f}" for rank_speed in self._balance_speeds)
+        self._notice(f"balance | starting split {','.join(map(str, self.balancer.split))} by the probed speeds "
+                     f"{speeds} samples/s (a step of 1/{PROBE_PART} of each rank's share at the batch sizes, after one "
+                     f"untimed: {max(seconds for _speed, seconds in probes):.2f} s on the slowest rank)")
 
     def _rank_speeds(self, wiring: RunWiring, components: Components) -> tuple[float, ...]:
         """Every rank's samples per second through the whole model (:meth:`RunWiring.samples_per_second`); a
@@ -286,7 +313,7 @@ class TrainingRun(TrainingLoop):
     def _new_balancer(self) -> Optional[LoadBalancer]:
         if not self.config.data.auto_balance:
             return None
-        return LoadBalancer(self.caps, self.shape.step_size, self.config.balance)
+        return LoadBalancer(self.caps, self.shape.step_size, self.config.balance, self._balance_speeds)
 
     def _restore_shape(self, saved: UpdateShape) -> None:
         """Keep the checkpoint's updates (its samples per update) on this run's ranks, unless the

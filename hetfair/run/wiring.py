@@ -24,7 +24,7 @@ from hetfair.options import plain_config
 from hetfair.parallel import STRATEGY_REGISTRY, ParallelConfig, build_strategy
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.cost_model import ModelCost
-from hetfair.plan.measure import SAMPLES, step_seconds
+from hetfair.plan.measure import SAMPLES, STEPS, step_seconds
 from hetfair.plan.model_cost import measure_model_cost
 from hetfair.plan.planner import JobPlan, Planner, plan_probes
 from hetfair.plan.probe import longest_sample_batches
@@ -111,16 +111,16 @@ class RunWiring:
         batch_of, units, build_optimizer = self._plan_inputs(components)
         return measure_model_cost(components.model, components.criterion, batch_of, units, build_optimizer)
 
-    def samples_per_second(self, components: Components) -> float:
-        """This rank's samples per second through the whole model, forward and backward, on a step of 16 of the
-        task's longest samples timed as the cluster plan times a device (:func:`hetfair.plan.measure.step_seconds`:
-        the mean of 3 after one untimed). One size, not the plan's difference of two: a speed to compare ranks by
-        needs no split of the per-update overhead, and a difference of two timings is the noisier (under a CPU
-        quota, the one rank with half the CPU measured faster than the other)."""
+    def samples_per_second(self, components: Components, samples: int = 2 * SAMPLES, steps: int = STEPS) -> float:
+        """This rank's samples per second through the whole model, forward and backward, on steps of ``samples``
+        (default 16) of the task's longest samples timed as the cluster plan times a device
+        (:func:`hetfair.plan.measure.step_seconds`: the mean of ``steps``, default 3, after one untimed). One size,
+        not the plan's difference of two: a speed to compare ranks by needs no split of the per-update overhead, and a
+        difference of two timings is the noisier (under a CPU quota, the one rank with half the CPU measured faster
+        than the other)."""
         batch_of, _units, _build = self._plan_inputs(components)
-        samples = 2 * SAMPLES
         seconds = step_seconds(components.model, components.criterion, batch_of(samples), self.context.device,
-                               self.config.precision.precision)
+                               self.config.precision.precision, steps)
         return samples / seconds
 
     def _plan_inputs(self, components: Components) -> tuple[Callable[[int], dict[str, Any]], list[torch.nn.Module],
