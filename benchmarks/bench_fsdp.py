@@ -8,10 +8,12 @@ gradients and optimizer state it holds (its shards only), its peak RSS once the 
 sharded and over the whole run, and the median update time. Then, from the measured bytes per
 parameter of each mode, the largest BERT (layers x hidden) whose training state fits a per-rank
 budget. ``uneven`` is fully sharded training on hetfair's uneven engine with equal
-``--shard-fractions``: FSDP2's shares, to compare their cost.
+``--shard-fractions``: FSDP2's shares, to compare their cost; ``uneven13`` the same engine with the
+last rank holding three times each other rank's share (1:3 on two ranks).
 
     python benchmarks/bench_fsdp.py [--arch bert_base] [--worlds 2,4] [--updates 3] [--budget-gib 1]
-                                    [--modes none,os,fully_sharded_whole,fully_sharded,uneven] [--rounds 1]
+                                    [--modes none,os,fully_sharded_whole,fully_sharded,uneven,uneven13]
+                                    [--rounds 1]
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from hetfair.parallel import ParallelConfig, build_strategy  # noqa: E402
 from hetfair.trainer import Trainer, TrainerConfig  # noqa: E402
 
 ARCHS = {"bert_mini": bert_mini, "bert_base": bert_base, "bert_large": bert_large}
-MODES = ("none", "os", "fully_sharded_whole", "fully_sharded", "uneven")
+MODES = ("none", "os", "fully_sharded_whole", "fully_sharded", "uneven", "uneven13")
 VOCAB, LENGTH, BATCH = 30522, 64, 2
 
 
@@ -73,9 +75,10 @@ def worker(rank: int, world: int, port: int, mode: str, arch: str, updates: int,
                                  warmup_updates=0, lr_scheduler="fixed", force_anneal=None, lr_shrink=0.1,
                                  optimizer_impl="auto")
     torch.manual_seed(0)
-    parallel = ParallelConfig("fully_sharded" if mode.startswith("fully_sharded") or mode == "uneven" else "c10d",
+    shares = {"uneven": [1.0] * world, "uneven13": [1.0] * (world - 1) + [3.0]}.get(mode)
+    parallel = ParallelConfig("fully_sharded" if mode.startswith(("fully_sharded", "uneven")) else "c10d",
                               zero_sharding="os" if mode == "os" else "none",
-                              shard_fractions=(1 / world,) * world if mode == "uneven" else None)
+                              shard_fractions=tuple(share / sum(shares) for share in shares) if shares else None)
     strategy = build_strategy(parallel, context)
 
     def build() -> BertModel:

@@ -73,6 +73,7 @@ from benchmarks.common import (  # noqa: E402
     plain_model,
     print_table,
     progress_line,
+    source_trees,
     subprocess_env,
 )
 from netns import Network, unavailable  # noqa: E402
@@ -96,6 +97,9 @@ MODES: dict[str, list[str]] = {
                              "--inner-steps-by", "time"],
     "balanced-powersgd": ["--ddp-comm-hook", "powersgd", "--powersgd-rank", "4", "--powersgd-start-update", "2",
                           "--auto-balance"],
+    "fsdp2": ["--ddp-backend", "fully_sharded"],
+    "uneven-1-1": ["--ddp-backend", "fully_sharded", "--shard-fractions", "1,1"],
+    "uneven-1-3": ["--ddp-backend", "fully_sharded", "--shard-fractions", "1,3"],
 }
 """hetfair's modes for slow links, by name: the flags that turn each on."""
 VALID_BATCHES = 8
@@ -285,8 +289,10 @@ def _now() -> float:
 
 
 # -- running the nodes ---------------------------------------------------------------------
-def node_env(setting: Setting, rank: int, world: int, plain: bool, master: str) -> dict[str, str]:
-    env = subprocess_env(setting.threads, os.pathsep.join([str(REPO_ROOT), str(REPO_ROOT / "benchmarks")]))
+def node_env(setting: Setting, rank: int, world: int, plain: bool, master: str, root: Path = REPO_ROOT
+             ) -> dict[str, str]:
+    """A node's environment; its hetfair from the source tree ``root``."""
+    env = subprocess_env(setting.threads, os.pathsep.join([str(root), str(REPO_ROOT / "benchmarks")]))
     env.pop("GLOO_SOCKET_IFNAME", None)
     env["HETFAIR_SECRET"] = SECRET
     if plain and world > 1:  # what torchrun would set; gloo needs the interface (the hostname is not in the namespace)
@@ -308,21 +314,23 @@ def hetfair_command(setting: Setting, save_dir: Path, rank: int, world: int, mas
             f"tcp://{master}:{PORT}", *mode]
 
 
-def run_job(network: Network, setting: Setting, workdir: Path, mode: Optional[Sequence[str]]) -> Result:
-    """One job of one process per host (``mode`` None: the plain loop); its samples/s and final loss."""
+def run_job(network: Network, setting: Setting, workdir: Path, mode: Optional[Sequence[str]],
+            root: Path = REPO_ROOT) -> Result:
+    """One job of one process per host (``mode`` None: the plain loop), hetfair from the source tree ``root``; its
+    samples/s and final loss."""
     world, master = len(network.hosts), network.hosts[0].address
     save_dir = Path(tempfile.mkdtemp(dir=workdir))
     commands = [plain_command(setting, save_dir) if mode is None
                 else hetfair_command(setting, save_dir, r, world, master, mode) for r in range(world)]
     others = [subprocess.Popen(setting.on_node(network, rank, command),
-                               env=node_env(setting, rank, world, mode is None, master),
-                               cwd=REPO_ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                               env=node_env(setting, rank, world, mode is None, master, root),
+                               cwd=root, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
               for rank, command in enumerate(commands) if rank > 0]
     try:
         try:
             clock = clocked_run(setting.on_node(network, 0, commands[0]),
-                                node_env(setting, 0, world, mode is None, master), timeout=1800,
-                                expected_updates=setting.updates, cwd=REPO_ROOT)
+                                node_env(setting, 0, world, mode is None, master, root), timeout=1800,
+                                expected_updates=setting.updates, cwd=root)
         except RuntimeError as exc:  # rank 0 often only lost contact: the cause is in another node's output
             raise RuntimeError(f"{exc}\n{_others_errors(others)}") from None
         for proc in others:
@@ -484,6 +492,8 @@ def parse_args(argv: Optional[list[str]] = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every node")
     parser.add_argument("--workdir", type=Path, help="data and checkpoints (default: a new temporary directory)")
     parser.add_argument("--quick", action="store_true", help="bert_tiny, 2 nodes, the first rate, 6 updates")
+    parser.add_argument("--also-tree", action="append", default=[], metavar="LABEL=PATH",
+                        help="also run the fully sharded modes of another hetfair source tree (a git worktree, say)")
     parser.add_argument("--plain-worker", help=argparse.SUPPRESS)
     parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     options = parser.parse_args(argv)
@@ -510,8 +520,12 @@ def main() -> None:
     archs = options.archs.split(",")
     data = prepare_data(workdir) if any(not arch.startswith("mnist") for arch in archs) else None
     speeds = tuple(float(speed) for speed in options.speeds.split(",")) if options.speeds else ()
-    modes: dict[str, Optional[list[str]]] = {"plain-ddp": None, "hetfair": [],
-                                             **known_modes(options.modes.split(","))}
+    modes: dict[str, tuple[Optional[list[str]], Path]] = {
+        name: (flags, REPO_ROOT) for name, flags in
+        {"plain-ddp": None, "hetfair": [], **known_modes(options.modes.split(","))}.items()}
+    for tree in source_trees(options.also_tree, "bench_links.py")[1:]:  # the sharded modes again, from that tree
+        modes.update({tree.tag(name): (flags, tree.root) for name, (flags, _) in list(modes.items())
+                      if flags and "fully_sharded" in flags})
     print(f"bench_links: {machine_note()}; uptime: {os.popen('uptime').read().strip()}", flush=True)
     for arch, nodes in itertools.product(archs, map(int, options.nodes.split(","))):
         if speeds and len(speeds) != nodes:
@@ -524,7 +538,8 @@ def main() -> None:
                     network.shape(index, rate, burst=BURST)
                 measured = link_throughput(network)
                 before = single_node_speeds(network, setting, workdir)
-                results = {name: run_job(network, setting, workdir, mode) for name, mode in modes.items()}
+                results = {name: run_job(network, setting, workdir, mode, root) for name, (mode, root) in modes.items()
+                           if nodes == 2 or "--shard-fractions" not in (mode or [])}  # two values: two ranks
                 after = single_node_speeds(network, setting, workdir)
                 singles = [(a + b) / 2 for a, b in zip(before, after)]
                 plain = results["plain-ddp"]

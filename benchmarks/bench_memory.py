@@ -3,12 +3,15 @@ engine with equal (1:1) and 1:3 shards;
 and the largest BERT a 1:3 memory pair can train with even and with uneven shards.
 
     python benchmarks/bench_memory.py [--layers 12,24] [--updates 4] [--rounds 1] [--budgets 1G,3G]
+                                      [--modes "FSDP2 even,uneven 1:3"] [--max-sentences 2]
+                                      [--also-tree LABEL=PATH]   # its uneven modes too, alternating
 
 Every run is the product as users run it: ``hetfair-train --task bert`` (bert_base's width, ``--layers``
 encoder layers) on the Jargon File's data (:func:`bench_bert.prepare_data`), two ranks of one
-process each, ``--max-sentences 2``, Adam. Each rank's peak resident memory over its whole run
-comes from its own wrapper process (``RUSAGE_CHILDREN``: the launcher and its worker); the
-bytes of state it holds from the ``memory |`` table the run prints; the time per update is the
+process each, ``--max-sentences 2``, Adam. Each rank's peak resident memory (its worker's, through
+the first update: building, sharding, gathering and the first step; a rank's worker is a child of
+the launcher's fork server, out of its launcher's ``RUSAGE_CHILDREN``) and the bytes of state it
+holds come from the ``memory |`` table the run prints; the time per update is the
 median of the ``train_inner`` lines after the first update. The modes alternate inside each round.
 
 The largest model: with ``--memory-budget`` set to ``--budgets`` (a 1:3 pair), the start-up fit
@@ -28,10 +31,18 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from benchmarks.bench_bert import prepare_data  # noqa: E402
-from benchmarks.common import free_port, machine_note, print_table, subprocess_env  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    SourceTree,
+    free_port,
+    machine_note,
+    print_table,
+    source_trees,
+    subprocess_env,
+)
 from hetfair.memory.sizes import format_size, parse_size  # noqa: E402
 
 MODES: dict[str, list[str]] = {
@@ -41,12 +52,6 @@ MODES: dict[str, list[str]] = {
     "uneven 1:1": ["--ddp-backend", "fully_sharded", "--shard-fractions", "1,1"],
     "uneven 1:3": ["--ddp-backend", "fully_sharded", "--shard-fractions", "1,3"],
 }
-PEAK_WRAPPER = ("import resource, subprocess, sys; code = subprocess.call(sys.argv[1:]); "
-                "print('peak_rss_kib', resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss, file=sys.stderr); "
-                "sys.exit(code)")
-"""Runs one rank's command and reports the largest resident set of its process tree (launcher or worker)."""
-
-
 def train_command(data: Path, layers: int, updates: int, rank: int, init: str, save_dir: Path,
                   flags: list[str]) -> list[str]:
     return [sys.executable, "-m", "hetfair_cli.train", "--task", "bert", "--data", str(data), "--arch", "bert_base",
@@ -57,26 +62,23 @@ def train_command(data: Path, layers: int, updates: int, rank: int, init: str, s
              "--distributed-init-method", init, "--distributed-timeout", "600", *flags]
 
 
-def rank_command(data: Path, layers: int, updates: int, rank: int, init: str, save_dir: Path,
-                 flags: list[str]) -> list[str]:
-    """:func:`train_command` inside :data:`PEAK_WRAPPER`."""
-    return [sys.executable, "-c", PEAK_WRAPPER, *train_command(data, layers, updates, rank, init, save_dir, flags)]
-
-
 def run_job(data: Path, layers: int, updates: int, rank_flags: list[list[str]],
-            workdir: Path) -> list[subprocess.CompletedProcess]:
-    """Both ranks' commands at once (``rank_flags``: each rank's own flags); both finished."""
+            workdir: Path, tree: Optional[SourceTree] = None) -> list[subprocess.CompletedProcess]:
+    """Both ranks' commands at once (``rank_flags``: each rank's own flags), from ``tree`` (default: the installed
+    hetfair); both finished."""
     init = f"tcp://127.0.0.1:{free_port()}"
-    procs = [subprocess.Popen(rank_command(data, layers, updates, rank, init, workdir / "ckpt", flags),
-                              env=subprocess_env(1), cwd=workdir, text=True, stdout=subprocess.PIPE,
+    procs = [subprocess.Popen(train_command(data, layers, updates, rank, init, workdir / "ckpt", flags),
+                              env=tree.env(1) if tree else subprocess_env(1), cwd=tree.root if tree else workdir, text=True, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE) for rank, flags in enumerate(rank_flags)]
     outputs = [proc.communicate() for proc in procs]
     return [subprocess.CompletedProcess(proc.args, proc.returncode, *output) for proc, output in zip(procs, outputs)]
 
 
-def measure(data: Path, layers: int, updates: int, rank_flags: list[list[str]], workdir: Path) -> dict:
-    """One job: each rank's whole-run peak RSS and held state, the median seconds per update."""
-    results = run_job(data, layers, updates, rank_flags, workdir)
+def measure(data: Path, layers: int, updates: int, rank_flags: list[list[str]], workdir: Path,
+            tree: Optional[SourceTree] = None) -> dict:
+    """One job: each rank's peak RSS through its first update and held state (both from the ``memory |`` table),
+    the median seconds per update."""
+    results = run_job(data, layers, updates, rank_flags, workdir, tree)
     for result in results:
         if result.returncode != 0:
             raise RuntimeError(f"hetfair-train failed: {result.stderr[-3000:]}")
@@ -85,7 +87,8 @@ def measure(data: Path, layers: int, updates: int, rank_flags: list[list[str]], 
                                                          re.MULTILINE)]
     seconds = [1.0 / json.loads(line)["ups"] for line in output.splitlines()
                if line.startswith("{") and '"train_inner"' in line][1:]
-    peaks = [int(re.search(r"peak_rss_kib (\d+)", r.stderr).group(1)) * 1024 for r in results]
+    peaks = [parse_size(m.group(1)) for m in re.finditer(r"^memory \| \d+ \| (?:[^|]+ \| ){4}([\d.]+[KMGT]?B?) \|",
+                                                          output, re.MULTILINE)]
     return {"peak": peaks, "state": state, "seconds": statistics.median(seconds) if seconds else float("nan")}
 
 
@@ -133,15 +136,26 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="times each mode runs, alternating")
     parser.add_argument("--budgets", default="1G,3G", help="the 1:3 memory pair for the largest model")
     parser.add_argument("--skip-largest", action="store_true")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help="comma-separated modes to time (FSDP2 even is always one: the ratios' reference)")
+    parser.add_argument("--max-sentences", type=int, default=2,
+                        help="samples per rank and update (more: the compute outweighs the communication)")
+    parser.add_argument("--also-tree", action="append", default=[], metavar="LABEL=PATH",
+                        help="also time the uneven modes of another hetfair source tree (a git worktree, say)")
     options = parser.parse_args()
+    chosen = [mode for mode in MODES if mode in {*options.modes.split(","), "FSDP2 even"}]
+    modes: dict[str, tuple[list[str], Optional[SourceTree]]] = {
+        mode: ([*MODES[mode], "--max-sentences", str(options.max_sentences)], None) for mode in chosen}
+    for tree in source_trees(options.also_tree, "bench_memory.py")[1:]:
+        modes.update({tree.tag(mode): (modes[mode][0], tree) for mode in chosen if mode.startswith("uneven")})
     with tempfile.TemporaryDirectory(prefix="bench-memory-") as tmp:
         workdir = Path(tmp)
         data = prepare_data(workdir)
         runs: dict[tuple[int, str], list[dict]] = {}
         for layers in map(int, options.layers.split(",")):
             for _ in range(options.rounds):
-                for mode, flags in MODES.items():
-                    measured = measure(data, layers, options.updates, [flags, flags], workdir)
+                for mode, (flags, tree) in modes.items():
+                    measured = measure(data, layers, options.updates, [flags, flags], workdir, tree)
                     runs.setdefault((layers, mode), []).append(measured)
         report(runs)
         if not options.skip_largest:
@@ -158,7 +172,7 @@ def report(runs: dict[tuple[int, str], list[dict]]) -> None:
         seconds = statistics.median(m["seconds"] for m in measured)
         rows.append([f"bert {layers} layers", mode, format_size(peak[0]), format_size(peak[1]),
                      format_size(state[0]), format_size(state[1]), f"{seconds:.2f}", f"{seconds / fsdp:.2f}"])
-    print_table("Per-rank peak RSS (whole run), held state (memory | table) and seconds per update, 2 ranks",
+    print_table("Per-rank peak RSS (through the first update), held state (memory | table) and seconds per update, 2 ranks",
                 ["model", "mode", "peak 0", "peak 1", "state 0", "state 1", "s/update", "vs FSDP2"], rows)
 
 
