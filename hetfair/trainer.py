@@ -40,6 +40,7 @@ from hetfair.compile import compile_model
 from hetfair.parallel.context import DistributedContext
 from hetfair.parallel.stats import (
     PendingStats,
+    Rider,
     SyncedStats,
     UpdateResult,
     is_summable,
@@ -84,15 +85,23 @@ class _ComputeClock:
 
     That moment ends this rank's own forward/backward work; DDP's wait for the
     final gradient all-reduce comes after it, so it is not counted as compute.
+    A single process waits for no peer: there the end of the backward is that
+    moment, and no hook per parameter is needed (``hooked`` false).
     """
 
-    def __init__(self, params: list[nn.Parameter]) -> None:
+    def __init__(self, params: list[nn.Parameter], hooked: bool) -> None:
         self.last_grad_time = 0.0
-        for param in params:
+        self.hooked = hooked
+        for param in params if hooked else []:
             param.register_post_accumulate_grad_hook(self._mark)
 
     def _mark(self, _param: torch.Tensor) -> None:
         self.last_grad_time = time.perf_counter()
+
+    def backward_done(self) -> None:
+        """The last backward of an update returned: without hooks, its own work ends now."""
+        if not self.hooked:
+            self.last_grad_time = time.perf_counter()
 
 
 class Trainer:
@@ -152,7 +161,7 @@ class Trainer:
         """Optimizer settings of the last restore where the command line differs: ``{name: (checkpoint's, now)}``."""
         self.lr_scheduler.step_update(0)
         self._dummy_batch = dummy_batch
-        self._clock = _ComputeClock(self.params)
+        self._clock = _ComputeClock(self.params, hooked=context.is_distributed)
         self._last_seconds = 0.0  # this rank's compute seconds of the last update: they travel with the next
         self._last_samples: list[float] = []  # every rank's samples of the last update (empty: none yet)
 
@@ -162,12 +171,14 @@ class Trainer:
         return self._dummy_batch
 
     # -- training --------------------------------------------------------------
-    def train_step(self, samples: list[Optional[dict[str, Any]]]) -> Optional[UpdateResult]:
+    def train_step(self, samples: list[Optional[dict[str, Any]]], rider: Optional[Rider] = None
+                   ) -> Optional[UpdateResult]:
         """One update over this rank's micro-batches (``None``: no data for that step).
 
         Where the strategy takes several steps per update (:meth:`Strategy.inner_steps`), the micro-batches are
         cut into that many equal groups in order; each but the last is one optimizer step of its own, and the
-        last is the update's step, which the stats all-reduce of the whole update overlaps."""
+        last is the update's step, which the stats all-reduce of the whole update overlaps. ``rider``'s values
+        travel in that all-reduce too, and it gets their sums back before this returns."""
         if not (self.model.training and self.criterion.training):  # validation left them in eval mode
             self.wrapped_model.train()
             self.criterion.train()
@@ -189,9 +200,12 @@ class Trainer:
             self.optimizer.zero_grad(set_to_none=True)
         own_sample_size = totals.get("sample_size", 0.0)
         _, pending = self._forward_backward(samples[len(samples) - size:], len(samples) - size, totals,
-                                            stats_samples=local_samples)
+                                            stats_samples=local_samples, rider=rider)
         assert pending is not None
+        self._clock.backward_done()
         synced = pending.wait()
+        if rider is not None:
+            rider.arrive(synced.riders)
         self._last_seconds = self._clock.last_grad_time - start
         samples_by_rank = synced.per_rank["samples"]
         timing = (samples_by_rank, self._last_samples,
@@ -225,13 +239,15 @@ class Trainer:
                             loss_scale=self._loss_scale())
 
     def _forward_backward(self, samples: list[Optional[dict[str, Any]]], first_index: int, totals: dict[str, Any],
-                          stats_samples: Optional[int] = None) -> tuple[int, Optional[PendingStats]]:
+                          stats_samples: Optional[int] = None, rider: Optional[Rider] = None
+                          ) -> tuple[int, Optional[PendingStats]]:
         """Forward and backward of one step's micro-batches (the first is the update's ``first_index``-th), their
         logs summed into ``totals``; gradients sync in the last backward. With ``stats_samples`` (the samples of
-        the update's earlier steps) this is the update's last step: the stats all-reduce starts before its last
-        backward. Returns this rank's samples, and that all-reduce (``None`` without ``stats_samples``)."""
+        the update's earlier steps) this is the update's last step: the stats all-reduce (``rider``'s values with
+        it) starts before its last backward. Returns this rank's samples, and that all-reduce (``None`` without
+        ``stats_samples``)."""
         if self._runner is not None:
-            return self._run_scheduled(samples, first_index, totals, stats_samples)
+            return self._run_scheduled(samples, first_index, totals, stats_samples, rider)
         local_samples = 0
         pending: Optional[PendingStats] = None
         for index, sample in enumerate(samples, first_index):
@@ -248,16 +264,16 @@ class Trainer:
                     local_samples += int(batch["nsentences"])
                 if is_last and stats_samples is not None:
                     # the stats all-reduce (logs, global sample size, per-rank timings) overlaps the last backward
-                    pending = self._start_stats_sync(totals, stats_samples + local_samples)
+                    pending = self._start_stats_sync(totals, stats_samples + local_samples, rider)
                 if self.loss_scaler is not None:
                     loss = loss * self.loss_scaler.scale
                 loss.backward()
         if stats_samples is not None and pending is None:
-            pending = self._start_stats_sync(totals, stats_samples + local_samples)
+            pending = self._start_stats_sync(totals, stats_samples + local_samples, rider)
         return local_samples, pending
 
     def _run_scheduled(self, samples: list[Optional[dict[str, Any]]], first_index: int, totals: dict[str, Any],
-                       stats_samples: Optional[int]) -> tuple[int, Optional[PendingStats]]:
+                       stats_samples: Optional[int], rider: Optional[Rider]) -> tuple[int, Optional[PendingStats]]:
         """:meth:`_forward_backward` where the strategy runs the micro-batches (a pipeline's schedule): the
         criterion runs on the stage that computes the loss, on the output of the model's forward there, and only
         that rank's logs count (every rank of a pipeline loads the same micro-batches and runs them all)."""
@@ -279,7 +295,7 @@ class Trainer:
         local_samples = sum(int(sample["nsentences"]) for sample in samples if sample is not None)
         pending = None
         if stats_samples is not None:
-            pending = self._start_stats_sync(totals, stats_samples + local_samples)
+            pending = self._start_stats_sync(totals, stats_samples + local_samples, rider)
         return local_samples, pending
 
     def _step(self, factor: float) -> Optional[float]:
@@ -325,9 +341,9 @@ class Trainer:
         self.strategy.agree_on_overflow(found_inf)
         return bool(found_inf.item())
 
-    def _start_stats_sync(self, totals: dict[str, Any], samples: int) -> PendingStats:
-        """Start summing ``totals`` over ranks, with every rank's ``samples`` of this update and its compute
-        seconds of the previous one.
+    def _start_stats_sync(self, totals: dict[str, Any], samples: int, rider: Optional[Rider] = None) -> PendingStats:
+        """Start summing ``totals`` (and ``rider``'s values) over ranks, with every rank's ``samples`` of this update
+        and its compute seconds of the previous one.
 
         The stats leave before the last backward, so this update's own compute time
         is not known yet: timings arrive one update late (see :attr:`UpdateResult.compute_seconds`).
@@ -335,7 +351,7 @@ class Trainer:
         totals.setdefault("sample_size", 0.0)
         per_rank = {"samples": float(samples), "compute_seconds": self._last_seconds,
                     "sample_size": float(totals["sample_size"])}
-        return start_sync_stats(self.context, totals, per_rank)
+        return start_sync_stats(self.context, totals, per_rank, rider.ride() if rider is not None else None)
 
     def _skip(self, synced: SyncedStats, timing: tuple[list[float], list[float], list[float]]) -> UpdateResult:
         """Drop an overflowed update on this rank (every rank does the same) and lower the loss scale."""

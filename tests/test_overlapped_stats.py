@@ -61,6 +61,19 @@ def rank_micro_batches(rank: int, x: torch.Tensor, y: torch.Tensor) -> list[Opti
     return batches
 
 
+class Tally:
+    """A rider: sends ``rank + 1`` (and a constant) with each update's stats, keeps the sums that come back."""
+
+    def __init__(self, rank: int) -> None:
+        self.rank, self.sums = rank, []
+
+    def ride(self) -> dict[str, float]:
+        return {"rank_plus_one": float(self.rank + 1), "one": 1.0}
+
+    def arrive(self, sums: dict[str, float]) -> None:
+        self.sums.append(sums)
+
+
 def _rank(rank: int, world: int, store: str, out_dir: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world)
     context = DistributedContext(rank=rank, world_size=world, local_rank=rank, device=torch.device("cpu"))
@@ -70,14 +83,15 @@ def _rank(rank: int, world: int, store: str, out_dir: str) -> None:
                       optimizer_factory=lambda params: torch.optim.SGD(params, lr=LR),
                       lr_scheduler_factory=lambda optimizer: FixedSchedule(schedule, optimizer))
     results = []
+    tally = Tally(rank)
     for x, y in global_batches():
-        result = trainer.train_step(rank_micro_batches(rank, x, y))
+        result = trainer.train_step(rank_micro_batches(rank, x, y), rider=tally)
         assert result is not None
         results.append({"loss": result.totals["loss"], "sample_size": result.totals["sample_size"],
                         "samples": result.samples,
                         "timed_samples": result.timed_samples, "seconds": len(result.compute_seconds), "gnorm": result.gnorm})
     params = {name: p.detach().tolist() for name, p in trainer.model.named_parameters()}
-    Path(out_dir, f"{rank}.json").write_text(json.dumps({"results": results, "params": params}))
+    Path(out_dir, f"{rank}.json").write_text(json.dumps({"results": results, "params": params, "riders": tally.sums}))
     del trainer
     leave_group()
 
@@ -114,6 +128,8 @@ def test_overlapped_stats_sync_gives_plain_pytorchs_update_and_only_timings_one_
             assert result["samples"] == rank_samples
             assert result["timed_samples"] == ([] if update == 0 else rank_samples)
             assert result["seconds"] == (0 if update == 0 else world)
+        # the rider's values travel in the same all-reduce, summed over ranks, once per update
+        assert output["riders"] == [{"rank_plus_one": 3.0, "one": 2.0}] * UPDATES
 
 
 SHARES = [4, 4, 16]  # 98 samples: four steps of 24, then one of 2, split 1 : 0 : 1 (largest remainder, ties low)

@@ -10,6 +10,7 @@ import signal
 import subprocess
 from pathlib import Path
 
+import pytest
 import torch
 
 import agreement_worker
@@ -21,6 +22,7 @@ from hetfair.options import parse_train_args
 from hetfair_cli.errors import run_cli
 from hetfair_cli.train import main as train_main
 from hetfair.launch.supervisor import run_workers
+from hetfair.parallel.context import DistributedContext
 
 PREEMPTED = 75
 
@@ -104,12 +106,24 @@ def test_a_preempted_two_rank_job_stops_together_saves_and_resumes_exactly(tmp_p
     assert_same_parameters(final_parameters(preempted), final_parameters(one_process))
 
 
-def test_ranks_signalled_at_different_updates_stop_after_the_same_one(tmp_path):
+@pytest.mark.parametrize("riding", [False, True], ids=["own all-reduce", "on the stats all-reduce"])
+def test_ranks_signalled_at_different_updates_stop_after_the_same_one(tmp_path, riding):
     run_workers(agreement_worker.WORLD_SIZE, 0, agreement_worker.run_rank,
-                (f"tcp://127.0.0.1:{free_port()}", str(tmp_path)))
+                (f"tcp://127.0.0.1:{free_port()}", str(tmp_path), riding))
     stops = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(agreement_worker.WORLD_SIZE)]
     first_signal = min(agreement_worker.SIGNALLED_AT.values())
-    assert stops == [first_signal + 1] * agreement_worker.WORLD_SIZE  # the vote started after it is read one later
+    assert stops == [first_signal + 1] * agreement_worker.WORLD_SIZE  # the vote cast after it is read one later
+
+
+def test_a_vote_that_rode_on_the_stats_decides_without_a_collective_of_its_own():
+    # two ranks but no process group: an all-reduce of the agreement's own would raise
+    agreement = preemption.StopAgreement(DistributedContext(0, 2, 0, torch.device("cpu")))
+    agreement.arrive({"stop": 0.0, "regroup": 0.0})
+    assert not agreement.poll() and not agreement.regroup
+    agreement.arrive({"stop": 1.0, "regroup": 0.0})
+    assert agreement.poll()
+    agreement.arrive({"stop": 0.0, "regroup": 2.0})
+    assert not agreement.poll() and agreement.regroup
 
 
 def test_the_first_sigterm_asks_to_stop_and_a_second_stops_at_once():

@@ -48,6 +48,15 @@ def test_each_update_reports_its_own_samples_and_the_previous_updates_timings():
     assert [r.totals["sample_size"] for r in results] == [4.0, 7.0, 5.0]  # the logs are the update's own
 
 
+def test_one_process_times_its_compute_without_a_hook_per_parameter():
+    """No peer to wait for: the backward's end is the compute's end, so no parameter carries a timing hook."""
+    trainer = one_process_trainer(nn.Sequential(nn.Linear(6, 8), nn.Linear(8, 3)))
+    assert all(getattr(p, "_post_accumulate_grad_hooks", None) in (None, {}) for p in trainer.params)
+    trainer.train_step([batch(4)])
+    seconds = trainer.train_step([batch(4)]).compute_seconds
+    assert len(seconds) == 1 and seconds[0] > 0
+
+
 @pytest.mark.parametrize("make_optimizer", [
     pytest.param(lambda params: torch.optim.Adam(params, lr=0.01, fused=True), id="adam-fused"),
     pytest.param(lambda params: torch.optim.Adam(params, lr=0.01, foreach=True), id="adam-foreach"),

@@ -9,7 +9,9 @@
 * The signal reaches the ranks of a job at different times, but all of them must stop after
   the same update. :class:`StopAgreement` starts a tiny all-reduce (MAX of the request flag)
   at one update boundary and reads it at the next, so it overlaps an update's compute and
-  every rank sees the same answer at the same boundary. A single process needs no collective.
+  every rank sees the same answer at the same boundary. In training the vote rides on the update's
+  stats all-reduce instead (it is a :class:`~hetfair.parallel.stats.Rider`): no collective of its own.
+  A single process needs no collective.
 * A preempted run exits with :data:`PREEMPTED_EXIT_CODE` (see :class:`hetfair.errors.Preempted`).
 """
 
@@ -93,6 +95,9 @@ class StopAgreement:
 
     ``regroup_wanted`` (live recovery) rides on the same all-reduce: when it is true on some rank,
     :attr:`regroup` turns true on every rank at the same boundary.
+
+    Where the update's stats all-reduce carried the vote (:meth:`ride`, :meth:`arrive`), the next
+    :meth:`poll` decides from it and starts no all-reduce.
     """
 
     def __init__(self, context: DistributedContext, regroup_wanted: Optional[Callable[[], bool]] = None) -> None:
@@ -101,12 +106,28 @@ class StopAgreement:
         self.regroup = False
         self._flag: Optional[torch.Tensor] = None
         self._pending: Optional[dist.Work] = None
+        self._arrived: Optional[dict[str, float]] = None  # the ranks' votes of the last update, summed
+
+    def ride(self) -> dict[str, float]:
+        """This rank's vote, to be summed over ranks: each key counts the ranks that want to stop or regroup."""
+        wanted = self.regroup_wanted is not None and self.regroup_wanted()
+        return {"stop": float(_requested_by is not None), "regroup": float(wanted)}
+
+    def arrive(self, sums: dict[str, float]) -> None:
+        """Every rank's :meth:`ride` summed (the same on every rank): the next :meth:`poll` decides from it."""
+        self._arrived = sums
 
     def poll(self) -> bool:
-        """True on every rank at the same update boundary, one or two updates after some rank got a signal."""
+        """True on every rank at the same update boundary, one or two updates after some rank got a signal
+        (after the update whose stats carried the vote, where they did)."""
         if not self.context.is_distributed:
             self.regroup = self.regroup_wanted is not None and self.regroup_wanted()
             return _requested_by is not None
+        if self._arrived is not None:
+            arrived, self._arrived = self._arrived, None
+            self.close()  # an older vote of its own (every rank started it): this one counts the same requests
+            self.regroup = arrived["regroup"] > 0
+            return arrived["stop"] > 0
         if self._pending is not None:
             self._pending.wait()
             self._pending = None

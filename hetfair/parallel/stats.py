@@ -9,14 +9,18 @@ be summed. If either check fails, every rank falls back to gathering every rank'
 JSON in a byte tensor (never pickled objects: no rank unpickles what a peer sends).
 Criteria must therefore log the same keys for every batch (the trainer logs
 zeros under the same keys for a rank without data).
+
+Other values every rank sums at each update (the preemption vote) can ride in the
+same vector (:class:`Rider`), which saves them a collective of their own.
 """
 
 from __future__ import annotations
 
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import lru_cache
 from numbers import Number
-from typing import Any, Mapping, Optional
+from typing import Any, Mapping, Optional, Protocol
 
 import torch
 import torch.distributed as dist
@@ -27,7 +31,7 @@ from hetfair.parallel.context import DistributedContext
 
 def is_summable(value: Any) -> bool:
     """Numbers (and one-element tensors) can be summed across batches and ranks; anything else cannot."""
-    return isinstance(value, (Number, torch.Tensor))
+    return type(value) is float or isinstance(value, (Number, torch.Tensor))  # float first: no ABC check
 
 
 def sum_logs(totals: dict[str, float], logs: Mapping[str, Any]) -> dict[str, float]:
@@ -67,13 +71,25 @@ class UpdateResult:
 
 @dataclass
 class SyncedStats:
-    """Stats summed over ranks (non-summable values: lists over ranks), plus per-rank values."""
+    """Stats summed over ranks (non-summable values: lists over ranks), plus per-rank values and the riders' sums."""
 
     totals: dict[str, Any]
     per_rank: dict[str, list[float]]
+    riders: dict[str, float] = field(default_factory=dict)
 
 
-def _fingerprint(keys: list[str]) -> float:
+class Rider(Protocol):
+    """Numbers every rank sums at every update, sent with the update's stats instead of in a collective of their own."""
+
+    def ride(self) -> dict[str, float]:
+        """This rank's values (the same keys on every rank), read when the stats leave."""
+
+    def arrive(self, sums: dict[str, float]) -> None:
+        """Every rank's values summed, when the stats are back (the same on every rank)."""
+
+
+@lru_cache(maxsize=64)
+def _fingerprint(keys: tuple[str, ...]) -> float:
     return float(zlib.crc32("\0".join(keys).encode()) & 0xFFFFFF)
 
 
@@ -85,33 +101,42 @@ def sync_stats(
 
 
 def start_sync_stats(
-    context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float]
+    context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float],
+    riders: Optional[Mapping[str, float]] = None,
 ) -> "PendingStats":
     """Start :func:`sync_stats`'s all-reduce without waiting for it (``async_op``); :meth:`PendingStats.wait` ends it.
 
     Work issued in between (a backward pass, DDP's gradient all-reduce) overlaps the
     stats' round trip. Every rank must start it at the same point of its collectives.
+    ``riders``: more numbers to sum over ranks (:class:`Rider` values), returned apart from the stats.
     """
-    return PendingStats(context, totals, per_rank)
+    return PendingStats(context, totals, per_rank, dict(riders or {}))
 
 
 class PendingStats:
-    """A stats all-reduce in flight; :meth:`wait` returns its :class:`SyncedStats`."""
+    """A stats all-reduce in flight; :meth:`wait` returns its :class:`SyncedStats`.
 
-    def __init__(self, context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float]) -> None:
+    The vector: the summable ``totals``, one slot per rank of each ``per_rank`` value,
+    the ``riders``, the key set's fingerprint and the count of ranks whose totals cannot be summed.
+    """
+
+    def __init__(self, context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float],
+                 riders: Optional[dict[str, float]] = None) -> None:
         self._context, self._totals, self._per_rank = context, totals, per_rank
+        self._riders = riders or {}
         if not context.is_distributed:
             return
         world = context.world_size
-        self._keys, self._rank_keys = sorted(totals), sorted(per_rank)
+        self._keys, self._rank_keys, self._rider_keys = sorted(totals), sorted(per_rank), sorted(self._riders)
         summable = all(is_summable(totals[k]) for k in self._keys)
-        size = len(self._keys) + len(self._rank_keys) * world + 2
-        self._fingerprint = _fingerprint(self._keys + ["|"] + self._rank_keys + [str(size)])
+        size = len(self._keys) + len(self._rank_keys) * world + len(self._rider_keys) + 2
+        self._fingerprint = _fingerprint((*self._keys, "|", *self._rank_keys, "|", *self._rider_keys, str(size)))
         local = [0.0] * size
         if summable:
             local[: len(self._keys)] = [float(totals[k]) for k in self._keys]
         for i, key in enumerate(self._rank_keys):
             local[len(self._keys) + i * world + context.rank] = float(per_rank[key])
+        local[size - 2 - len(self._rider_keys): size - 2] = [float(self._riders[k]) for k in self._rider_keys]
         local[-2] = self._fingerprint
         local[-1] = 0.0 if summable else 1.0
         self._buffer = torch.tensor(local, dtype=torch.float64, device=comm_device(context))
@@ -121,16 +146,18 @@ class PendingStats:
         """Wait for the all-reduce (or, when some rank's values cannot be summed, gather them all as JSON)."""
         context, totals, per_rank = self._context, self._totals, self._per_rank
         if not context.is_distributed:
-            return SyncedStats(dict(totals), {k: [float(v)] for k, v in per_rank.items()})
+            return SyncedStats(dict(totals), {k: [float(v)] for k, v in per_rank.items()}, dict(self._riders))
         self._work.wait()
         values, world, keys = self._buffer.tolist(), context.world_size, self._keys
         if values[-1] == 0 and values[-2] == world * self._fingerprint:
+            rider_values = values[len(values) - 2 - len(self._rider_keys): -2]
             return SyncedStats(
                 totals=dict(zip(keys, values[: len(keys)])),
                 per_rank={key: values[len(keys) + i * world: len(keys) + (i + 1) * world]
                           for i, key in enumerate(self._rank_keys)},
+                riders=dict(zip(self._rider_keys, rider_values)),
             )
-        return _gather_json(context, totals, per_rank)
+        return _gather_json(context, totals, per_rank, self._riders)
 
 
 def _plain(value: Any) -> Any:
@@ -138,16 +165,21 @@ def _plain(value: Any) -> Any:
     return value.item() if isinstance(value, torch.Tensor) and value.numel() == 1 else value
 
 
-def _gather_json(context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float]) -> SyncedStats:
-    gathered = all_gather_json(context, [{k: _plain(v) for k, v in totals.items()}, per_rank])
+def _gather_json(context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float],
+                 riders: dict[str, float]) -> SyncedStats:
+    gathered = all_gather_json(context, [{k: _plain(v) for k, v in totals.items()}, per_rank, riders])
     merged: dict[str, Any] = {}
-    for rank_totals, _ in gathered:
+    for rank_totals, _, _ in gathered:
         sum_logs(merged, rank_totals)
         for key, value in rank_totals.items():
             if not is_summable(value):  # values that cannot be summed are collected, rank by rank
                 merged.setdefault(key, []).extend(value if isinstance(value, list) else [value])
-    rank_keys = sorted({k for _, rank_values in gathered for k in rank_values})
+    rank_keys = sorted({k for _, rank_values, _ in gathered for k in rank_values})
+    rider_sums: dict[str, float] = {}
+    for _, _, rank_riders in gathered:
+        sum_logs(rider_sums, rank_riders)
     return SyncedStats(
         totals=merged,
-        per_rank={key: [float(rank_values.get(key, 0.0)) for _, rank_values in gathered] for key in rank_keys},
+        per_rank={key: [float(rank_values.get(key, 0.0)) for _, rank_values, _ in gathered] for key in rank_keys},
+        riders=rider_sums,
     )

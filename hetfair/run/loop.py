@@ -144,7 +144,7 @@ class TrainingLoop(RunReports):
         """One update (or one skipped for an fp16 overflow: the data moves on either way); its
         statistics go to the meters and the balancer (which may move the split)."""
         self._start_first_update_reports()
-        result = self.trainer.train_step(update.micro_batches)
+        result = self.trainer.train_step(update.micro_batches, rider=self.preemption)  # the stop vote rides along
         seconds = self.stopwatch.lap()
         self.position.samples_done += update.global_samples
         if result is not None:
