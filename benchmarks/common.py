@@ -269,9 +269,11 @@ def _progress_record(line: str) -> dict[str, Any] | None:
     return record if record.get("phase") == "train_inner" else None
 
 
-def progress_line(num_updates: int, seconds: float, updates: int) -> str:
-    """The JSON line a plain worker prints, shaped like hetfair's ``--log-format json`` lines."""
-    return json.dumps({"phase": "train_inner", "num_updates": num_updates, "ups": updates / max(seconds, 1e-9)})
+def progress_line(num_updates: int, seconds: float, updates: int, **metrics: float) -> str:
+    """The JSON line a plain worker prints, shaped like hetfair's ``--log-format json`` lines (``metrics``
+    such as ``loss`` included)."""
+    return json.dumps({"phase": "train_inner", "num_updates": num_updates, "ups": updates / max(seconds, 1e-9),
+                       **metrics})
 
 
 def subprocess_env(threads: int, pythonpath: str | None = None) -> dict[str, str]:
