@@ -194,7 +194,9 @@ def test_measure_times_each_device_and_the_link_between_two_hosts(make_network, 
     args = ["--cluster", "measure", *TOY, "--global-batch-size", "32"]
     procs = [start_forked_plan(network, rank, [*args, *rank_flags(rank, 2, init)], tmp_path) for rank in range(2)]
     outputs = [proc.communicate(timeout=240) for proc in procs]
-    assert [proc.returncode for proc in procs] == [0, 0], outputs
+    # each rank's whole stderr, untruncated: which rank failed first shows only there
+    assert [proc.returncode for proc in procs] == [0, 0], "\n".join(
+        f"--- rank {rank} exited {proc.returncode}:\n{err}" for rank, (proc, (_out, err)) in enumerate(zip(procs, outputs)))
     printed = outputs[0][0]
     assert re.match(r"plan \| 2 devices on 2 nodes, global batch 32", printed), printed
     bandwidth = float(re.search(r"^plan \| links: between nodes ([\d.]+) Gbit/s, ", printed, re.M)[1])
