@@ -155,6 +155,33 @@ def test_auto_backend_ranks_its_candidates_on_measured_devices() -> None:
         assert [p.backend for p in ranked][0] == first and all(p.fits for p in ranked)
 
 
+def test_a_longer_step_measured_no_longer_counts_all_per_sample() -> None:
+    """Steps of 8 and 16 samples timed 0.10 and 0.18 s: 10 ms per sample beyond 20 ms per update. On a loaded
+    machine the 16-sample step once came out no longer than the 8-sample one; clamping their difference made the
+    device look millions of times faster, the plan gave it the whole batch and the other device none, and
+    hetfair-plan --cluster measure divided by that device's zero seconds (a fresh-clone CI run)."""
+    from hetfair.plan.measure import split_step_costs
+
+    assert split_step_costs(0.10, 0.18, 8, 16) == pytest.approx((0.01, 0.02))
+    assert split_step_costs(0.10, 0.09, 8, 16) == pytest.approx((0.09 / 16, 0.0))
+
+
+def test_a_device_the_split_leaves_without_samples_plans_without_dividing_by_zero() -> None:
+    """Two measured CPUs, one 1,000 times faster: the split by speed gives the slow one no sample of 32, and its
+    own rate counts nothing in the sum of the devices alone."""
+    from hetfair.cluster.description import Link
+    from hetfair.plan.predicted import measured_cluster
+
+    fact = {"memory": 4e10, "precision": "fp32", "step_overhead": 0.0, "flops_per_sample": 1e9, "batch": 32,
+            "device": "cpu"}
+    cluster = measured_cluster([{**fact, "node": "a", "seconds_per_sample": 1e-5},
+                                {**fact, "node": "b", "seconds_per_sample": 1e-2}], Link(1.25e8, 5e-5))
+    model = ModelCost(5_000_000, 1e9, 1_000_000, 2.0, 12, 2_000_000)
+    by_speed = [p for p in predict_all(cluster, model, 32) if p.split == "by speed"]
+    assert by_speed and all([rank.batch for rank in p.job.ranks] == [32, 0] for p in by_speed)
+    assert by_speed[0].alone == pytest.approx(1e5)  # the fast device's 32 samples in 32 x 10 us
+
+
 def test_the_will_it_scale_commands_run_as_typed_and_print_what_the_page_shows(tmp_path: Path) -> None:
     """docs/will-it-scale.md's two hetfair-plan blocks, run by bash in a checkout (the repository's examples and
     this test's virtual environment as .venv): the first prints exactly the page's table and commands (every number

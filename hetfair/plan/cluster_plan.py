@@ -113,6 +113,8 @@ def alone_rate(job: Job) -> float:
     summed over the ranks."""
     total = 0.0
     for rank in job.ranks:
+        if rank.batch == 0:  # a split may leave a slow device nothing: it adds nothing
+            continue
         single = Job(job.model, (rank,), job.intra[:1], job.network, job.overlaps)
         compute, step = compute_seconds(single, [1.0])
         total += rank.batch / (compute + step)

@@ -90,7 +90,17 @@ def step_costs(model: nn.Module, criterion: nn.Module, batch_of: Callable[[int],
     if few >= more:
         return step_seconds(model, criterion, batch_of(more), device, precision) / more, 0.0
     short, long = (step_seconds(model, criterion, batch_of(samples), device, precision) for samples in (few, more))
-    per_sample = max(long - short, 1e-9) / (more - few)
+    return split_step_costs(short, long, few, more)
+
+
+def split_step_costs(short: float, long: float, few: int, more: int) -> tuple[float, float]:
+    """Seconds per sample and per update from steps of ``few`` and ``more`` samples taking ``short`` and ``long``
+    seconds. Where noise (a loaded machine) made the longer step no longer, their difference says nothing: all of the
+    longer step counts per sample (a difference clamped near zero would make the device look millions of times
+    faster than it is, and a plan split the batch all to it)."""
+    if long <= short:
+        return long / more, 0.0
+    per_sample = (long - short) / (more - few)
     return per_sample, max(0.0, short - few * per_sample)
 
 
