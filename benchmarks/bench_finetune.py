@@ -11,10 +11,13 @@ batch size, longest input, AdamW, constant learning rate and seed, dropout on, o
 ``hetfair``: ``hetfair-train --task sentence_classification --arch hf_encoder --hf-model MINILM`` on
 the same CSV (its defaults: fused optimizer step, each update's sentences ordered by length).
 
-The seed is new each repetition (1, 2, 3, ...), the same for every contender: each contender's
-order of the sentences decides how long its padded batches are, and over 20 updates of 32 lines
-that alone moves the work by about 4% (standard deviation), the same way in every repetition of
-one seed.
+The seed is new each repetition (1, 2, 3, ...), the same for every contender, and the peers take the
+sentences in the order hetfair-train does at that seed (``finetune_peers.hetfair_order``): every
+contender's update k holds the same sentences, so all pad to the same lengths (a random order of their
+own moved each peer's work by about 4% over 20 updates of 32 lines). ``--length-groups 1,2`` runs
+hetfair twice: with its defaults, and with each rank's share of an update in two micro-batches
+(``--update-freq 2`` at half the batch) of similar length, each padded to its own longest sentence:
+the same update with less padding.
 
 Every run is clocked from outside between its first progress line (the end of the warm-up) and its
 last; the contenders of one shape alternate, their order rotating every repetition. Speed = peer
@@ -75,12 +78,16 @@ def peer_command(args: argparse.Namespace, ranks: int, data: Path, contender: st
                               "--seed", str(seed)]
 
 
-def hetfair_command(args: argparse.Namespace, ranks: int, data: Path, save_dir: Path, seed: int) -> list[str]:
+def hetfair_command(args: argparse.Namespace, ranks: int, data: Path, save_dir: Path, seed: int,
+                    groups: int = 1) -> list[str]:
+    """hetfair-train on the same job; with ``groups`` > 1, each rank's share of an update runs as that many
+    micro-batches (``--update-freq``) of sentences of similar length (hetfair orders an update's sentences by
+    length), each padded to its own longest: less padding, the same update."""
     return launcher(ranks) + [
         "-m", "hetfair_cli.train", "--task", "sentence_classification", "--num-classes", "2", "--data", str(data),
         "--arch", "hf_encoder", "--hf-model", str(minilm_dir()), "--max-positions", str(args.max_length),
         "--optimizer", "adamw", "--lr", str(LR), "--lr-scheduler", "fixed", "--seed", str(seed),
-        "--max-sentences", str(args.batch_size // ranks), "--max-epoch", "0", "--max-update", str(total_updates(args)),
+        "--max-sentences", str(args.batch_size // ranks // groups), "--update-freq", str(groups), "--max-epoch", "0", "--max-update", str(total_updates(args)),
         "--log-format", "json", "--log-interval", str(args.interval), "--disable-validation", "--no-save", "--cpu",
         "--save-dir", str(save_dir)]
 
@@ -104,7 +111,8 @@ def measure(args: argparse.Namespace, data: Path, save_dir: Path) -> dict[int, d
         for ranks in args.ranks:
             seed = 1 + rep  # a new order of the sentences each repetition, the same for every contender
             commands = {name: peer_command(args, ranks, data, name, seed) for name in args.peers}
-            commands["hetfair"] = hetfair_command(args, ranks, data, save_dir, seed)
+            for groups in args.length_groups:
+                commands[hetfair_name(groups)] = hetfair_command(args, ranks, data, save_dir, seed, groups)
             shift = rep % len(commands)
             for name in list(commands)[shift:] + list(commands)[:shift]:
                 run = clocked_run(commands[name], subprocess_env(THREADS[ranks], str(REPO_ROOT)), timeout=3600,
@@ -112,10 +120,14 @@ def measure(args: argparse.Namespace, data: Path, save_dir: Path) -> dict[int, d
                 measured = runs.setdefault(ranks, {}).setdefault(name, Runs())
                 measured.walls.add(run.wall_per_update)
                 measured.losses.add(float(run.records[-1]["loss"]))
-                print(f"  rep {rep + 1}/{args.repeats} {ranks} rank(s) {name:11s} {run.wall_per_update * 1e3:8.1f} "
+                print(f"  rep {rep + 1}/{args.repeats} {ranks} rank(s) {name:16s} {run.wall_per_update * 1e3:8.1f} "
                       f"ms/update, loss {measured.losses.values[-1]:.4f}  (run {run.total_wall:.0f} s; "
                       f"{machine_note()})", flush=True)
     return runs
+
+
+def hetfair_name(groups: int) -> str:
+    return "hetfair" if groups == 1 else f"hetfair {groups} groups"
 
 
 def speed(peer: Samples, hetfair: Samples) -> str:
@@ -125,13 +137,14 @@ def speed(peer: Samples, hetfair: Samples) -> str:
 
 
 def report(args: argparse.Namespace, runs: dict[int, dict[str, Runs]]) -> None:
-    names = [*args.peers, "hetfair"]
+    ours = [hetfair_name(groups) for groups in args.length_groups]
+    names = [*args.peers, *ours]
     rows = [[f"{ranks} x {args.batch_size // ranks}", *(f"{shape[name].walls.median * 1e3:.1f}" for name in names),
-             *(speed(shape[name].walls, shape["hetfair"].walls) for name in args.peers)]
+             *(speed(shape[peer].walls, shape[mine].walls) for mine in ours for peer in args.peers)]
             for ranks, shape in runs.items()]
     print_table(f"all-MiniLM-L6-v2 fine-tuning, ms per update, median of {args.repeats} run(s); speed = peer time / "
                 f"hetfair time (> 1: hetfair faster), median (min..max) of the repetitions' ratios",
-                ["ranks x batch", *names, *(f"speed vs {name}" for name in args.peers)], rows,
+                ["ranks x batch", *names, *(f"{mine} vs {peer}" for mine in ours for peer in args.peers)], rows,
                 notes=[f"{args.sentences} Jargon File lines, at most {args.max_length} tokens, AdamW lr {LR}, "
                        f"{args.intervals * args.interval} timed updates after {args.interval} warm-up updates",
                        "1 process: 2 threads; 2 ranks: torchrun, gloo, 1 thread each"])
@@ -151,6 +164,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help=f"the loops hetfair runs against, comma-separated, of: {', '.join(WORKERS)}")
     parser.add_argument("--repeats", type=int, default=3, help="runs per contender and shape")
     parser.add_argument("--batch-size", type=int, default=32, help="sentences per update over all ranks")
+    parser.add_argument("--length-groups", type=lambda text: [int(g) for g in text.split(",")], default=[1],
+                        help="hetfair contenders: each rank's share of an update in this many micro-batches of "
+                             "similar length (1: hetfair's defaults; 2: --update-freq 2 at half the batch)")
     parser.add_argument("--max-length", type=int, default=64, help="longest input in tokens (truncation)")
     parser.add_argument("--sentences", type=int, default=2000, help="labelled lines in train.csv")
     parser.add_argument("--interval", type=int, default=5, help="updates per progress line")

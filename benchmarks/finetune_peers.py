@@ -2,11 +2,13 @@
 
 All four fine-tune all-MiniLM-L6-v2 (``AutoModelForSequenceClassification``, 2 labels) on the CSV's
 lines, tokenized once by ``datasets.map`` with the folder's ``AutoTokenizer`` (truncation) and padded
-per batch by ``DataCollatorWithPadding``, at AdamW's learning rate ``LR``, and print the JSON progress
+per batch by ``DataCollatorWithPadding``, in the order hetfair-train takes them at the job's seed
+(:func:`hetfair_order`, so every contender's update ``k`` holds the same sentences and pads to the same
+lengths), at AdamW's learning rate ``LR``, and print the JSON progress
 line of :func:`benchmarks.common.progress_line` every ``interval`` updates on rank 0, with the
 interval's mean training loss (nats per sentence, averaged over ranks):
 
-* ``plain`` / ``plain fused``: a shuffled ``DataLoader`` (``DistributedSampler`` and
+* ``plain`` / ``plain fused``: a ``DataLoader`` (``DistributedSampler`` and
   ``DistributedDataParallel`` under torchrun), ``torch.optim.AdamW`` with its defaults (on CPU the
   per-parameter loop) or ``fused=True``;
 * ``accelerate``: the plain fused loop through ``accelerate.Accelerator(cpu=True)`` with its defaults
@@ -14,8 +16,9 @@ interval's mean training loss (nats per sentence, averaged over ranks):
   on a machine without accelerators do not join (each would train alone);
 * ``trainer``: transformers' ``Trainer`` with ``TrainingArguments``' defaults (fused AdamW, weight
   decay 0, gradient clipping at 1.0, ...) but for what must match: batch size, learning rate, a
-  constant schedule (its default decays linearly to 0), steps, seed, the logging interval and
-  ``use_cpu`` (as for accelerate); its progress bar is off.
+  constant schedule (its default decays linearly to 0), steps, seed, the logging interval,
+  ``use_cpu`` (as for accelerate) and the sequential sampler that keeps the given order; its progress
+  bar is off.
 """
 
 from __future__ import annotations
@@ -52,9 +55,9 @@ def minilm_dir() -> Path:
     return Path(get_model_path())
 
 
-def tokenized(data: Path, max_length: int) -> tuple[Any, Any]:
+def tokenized(data: Path, max_length: int, seed: int) -> tuple[Any, Any]:
     """The folder's tokenizer and ``train.csv`` tokenized (``input_ids``, ``token_type_ids``,
-    ``attention_mask``, ``labels``)."""
+    ``attention_mask``, ``labels``), in :func:`hetfair_order`."""
     import datasets
     import transformers
 
@@ -62,7 +65,15 @@ def tokenized(data: Path, max_length: int) -> tuple[Any, Any]:
     train = datasets.load_dataset("csv", data_files={"train": str(data / "train.csv")})["train"]
     train = train.map(lambda batch: tokenizer(batch["text"], truncation=True, max_length=max_length),
                       batched=True, remove_columns=["text"])
-    return tokenizer, train.rename_column("label", "labels")
+    return tokenizer, train.rename_column("label", "labels").select(hetfair_order(len(train), seed))
+
+
+def hetfair_order(sentences: int, seed: int) -> list[int]:
+    """The order hetfair-train's first epoch takes ``sentences`` lines in at ``seed`` (one update after another;
+    within an update it orders them by length, which changes no update's sentences)."""
+    from hetfair.data.batch_plan import epoch_order
+
+    return epoch_order(sentences, seed, epoch=1, shuffle=True).tolist()
 
 
 def classifier(seed: int) -> Any:
@@ -110,9 +121,9 @@ def plain_worker(job: Job, fused: bool) -> None:
     distributed = "WORLD_SIZE" in os.environ
     if distributed:
         dist.init_process_group("gloo")
-    tokenizer, train = tokenized(job.data, job.max_length)
-    sampler = DistributedSampler(train, shuffle=True, seed=job.seed, drop_last=True) if distributed else None
-    loader = DataLoader(train, batch_size=job.batch_size, shuffle=sampler is None, sampler=sampler, drop_last=True,
+    tokenizer, train = tokenized(job.data, job.max_length, job.seed)
+    sampler = DistributedSampler(train, shuffle=False, drop_last=True) if distributed else None
+    loader = DataLoader(train, batch_size=job.batch_size, sampler=sampler, drop_last=True,
                         collate_fn=transformers.DataCollatorWithPadding(tokenizer))
     model = classifier(job.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, **({"fused": True} if fused else {}))
@@ -143,8 +154,8 @@ def accelerate_worker(job: Job) -> None:
     from torch.utils.data import DataLoader
 
     accelerator = accelerate.Accelerator(cpu=True)  # else ranks on a machine without GPUs stay apart
-    tokenizer, train = tokenized(job.data, job.max_length)
-    loader = DataLoader(train, batch_size=job.batch_size, shuffle=True, drop_last=True,
+    tokenizer, train = tokenized(job.data, job.max_length, job.seed)
+    loader = DataLoader(train, batch_size=job.batch_size, drop_last=True,
                         collate_fn=transformers.DataCollatorWithPadding(tokenizer))
     model = classifier(job.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=LR, fused=True)
@@ -180,12 +191,13 @@ def trainer_worker(job: Job) -> None:
                 print(progress_line(state.global_step, now - self.started, job.interval, loss=loss), flush=True)
                 self.started = now
 
-    tokenizer, train = tokenized(job.data, job.max_length)
+    tokenizer, train = tokenized(job.data, job.max_length, job.seed)
     with tempfile.TemporaryDirectory(prefix="bench_finetune_trainer_") as output_dir:
         arguments = transformers.TrainingArguments(
             output_dir=output_dir, per_device_train_batch_size=job.batch_size, learning_rate=LR,
             lr_scheduler_type="constant", max_steps=job.updates, seed=job.seed, logging_steps=job.interval,
-            use_cpu=True, disable_tqdm=True)  # as Accelerator(cpu=True); its bar would share the progress lines
+            use_cpu=True, disable_tqdm=True,  # as Accelerator(cpu=True); its bar would share the progress lines
+            train_sampling_strategy="sequential")
         progress = ProgressLines()
         trainer = transformers.Trainer(model=classifier(job.seed), args=arguments, train_dataset=train,
                                        processing_class=tokenizer, callbacks=[progress])

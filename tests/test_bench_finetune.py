@@ -34,3 +34,33 @@ def test_an_unknown_peer_is_refused(capsys):
     with pytest.raises(SystemExit):
         bench_finetune.parse_args(["--peers", "trainer,keras"])
     assert "unknown peer keras" in capsys.readouterr().err
+
+
+def test_the_peers_take_each_update_s_sentences_in_hetfair_train_s_order():
+    """Every contender's update k holds the same sentences (so all pad to the same lengths): the peers' order is
+    the one hetfair-train's batch plan takes at the same seed, up to the order by length inside an update."""
+    from benchmarks.finetune_peers import hetfair_order
+    from hetfair.data.batch_plan import BatchPlan
+
+    sentences, batch, seed = 50, 8, 3
+    lengths = [(7 * index) % 13 for index in range(sentences)]
+    plan = BatchPlan(sentences, [batch], seed, epoch=1, sizes=lengths)
+    order = hetfair_order(sentences, seed)
+    for step in range(plan.num_steps):
+        assert sorted(plan.global_batch(step).tolist()) == sorted(order[step * batch:(step + 1) * batch])
+
+
+def test_the_documented_run_parses_and_two_length_groups_halve_the_micro_batch(tmp_path):
+    """docs/hf-encoders.md's command line, and its second hetfair contender: the same 32 sentences per update
+    as two micro-batches of 16 (``--update-freq 2``), and 8 per rank on 2 ranks."""
+    args = bench_finetune.parse_args(["--peers", "accelerate,trainer", "--length-groups", "1,2", "--repeats", "4",
+                                      "--intervals", "5"])
+    assert args.length_groups == [1, 2] and args.peers == ["accelerate", "trainer"]
+
+    def batch_flags(ranks: int, groups: int) -> tuple[str, str]:
+        command = bench_finetune.hetfair_command(args, ranks, tmp_path, tmp_path, seed=1, groups=groups)
+        return (command[command.index("--max-sentences") + 1], command[command.index("--update-freq") + 1])
+
+    assert batch_flags(1, 1) == ("32", "1")
+    assert batch_flags(1, 2) == ("16", "2")
+    assert batch_flags(2, 2) == ("8", "2")
