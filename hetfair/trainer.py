@@ -264,7 +264,7 @@ class Trainer:
                     local_samples += int(batch["nsentences"])
                 if is_last and stats_samples is not None:
                     # the stats all-reduce (logs, global sample size, per-rank timings) overlaps the last backward
-                    pending = self._start_stats_sync(totals, stats_samples + local_samples, rider)
+                    pending = self._start_stats_sync(totals, stats_samples + local_samples, rider, riding=True)
                 if self.loss_scaler is not None:
                     loss = loss * self.loss_scaler.scale
                 loss.backward()
@@ -341,9 +341,11 @@ class Trainer:
         self.strategy.agree_on_overflow(found_inf)
         return bool(found_inf.item())
 
-    def _start_stats_sync(self, totals: dict[str, Any], samples: int, rider: Optional[Rider] = None) -> PendingStats:
+    def _start_stats_sync(self, totals: dict[str, Any], samples: int, rider: Optional[Rider] = None,
+                          riding: bool = False) -> PendingStats:
         """Start summing ``totals`` (and ``rider``'s values) over ranks, with every rank's ``samples`` of this update
-        and its compute seconds of the previous one.
+        and its compute seconds of the previous one; ``riding``: a backward with the strategy's gradient all-reduce
+        follows, which may carry them (:class:`~hetfair.parallel.stats.StatsCarrier`).
 
         The stats leave before the last backward, so this update's own compute time
         is not known yet: timings arrive one update late (see :attr:`UpdateResult.compute_seconds`).
@@ -351,7 +353,8 @@ class Trainer:
         totals.setdefault("sample_size", 0.0)
         per_rank = {"samples": float(samples), "compute_seconds": self._last_seconds,
                     "sample_size": float(totals["sample_size"])}
-        return start_sync_stats(self.context, totals, per_rank, rider.ride() if rider is not None else None)
+        return start_sync_stats(self.context, totals, per_rank, rider.ride() if rider is not None else None,
+                                carrier=self.strategy.gradient_comm() if riding else None)
 
     def _skip(self, synced: SyncedStats, timing: tuple[list[float], list[float], list[float]]) -> UpdateResult:
         """Drop an overflowed update on this rank (every rank does the same) and lower the loss scale."""

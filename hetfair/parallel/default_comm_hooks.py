@@ -19,13 +19,14 @@ from hetfair.parallel import CommHook, register_comm_hook
 
 @register_comm_hook("none")
 class ExactAllReduce(CommHook):
-    """The exact fp32 all-reduce: DDP's own, no hook on it (the default)."""
+    """The exact fp32 all-reduce: DDP's own, no hook on it (the default; on gloo the stats ride it through a Python
+    hook, :mod:`hetfair.parallel.gradient_comm`)."""
 
     lossy = False
     advised = False
 
     def register(self, ddp: DistributedDataParallel, hook: Callable[[Any, dist.GradBucket], Any]) -> None:
-        return  # DDP's C++ all-reduce is the exact one, without a Python call per bucket
+        return  # DDP's C++ all-reduce is the exact one, without a Python call per bucket (where no stats ride)
 
 
 @register_comm_hook("bf16")

@@ -5,12 +5,20 @@
 advised hooks; every hook it may switch on sees the buckets it does not communicate
 (:meth:`CommHook.pass_over`), and each that keeps state is saved in the checkpoint's ``comm``
 part, which also holds the hook asked for and the one in use.
+
+On gloo, while the exact all-reduce is in use, the update's stats vector rides the first bucket's all-reduce
+(:class:`~hetfair.parallel.stats.StatsCarrier`): a small gloo all-reduce of its own cost a 2-rank update of
+a small model more than the model's own (docs/benchmarks.md, small-model overhead). The exact all-reduce is
+then this Python hook on every bucket instead of DDP's C++ one: the same division by the world size before
+the same sum, as torch's ``allreduce_hook``.
 """
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
+import torch
+import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 from hetfair.parallel.collectives import timed_all_reduce
@@ -37,7 +45,12 @@ class GradientComm:
         """Every hook the advice weighs (the advised ones, the exact one) and the one asked for."""
         self.in_play = {name: self.hooks[name] for name in in_play}
         """The hooks that may communicate in this run, by name (those that keep state are saved)."""
-        if self.requested == AUTO:
+        self.rides_stats = (EXACT in self.in_play and dist.get_backend() == "gloo"
+                            and all(p.dtype == torch.float32 for p in self.params if p.requires_grad))
+        """Whether the stats may ride the exact all-reduce (gloo, float32 buckets)."""
+        self._stats: Optional[torch.Tensor] = None
+        self._summed: Optional[torch.Tensor] = None
+        if self.requested == AUTO or self.rides_stats:
             ddp.register_comm_hook(None, self._communicate)
         else:
             self.hooks[self.requested].register(ddp, self._communicate)
@@ -54,7 +67,40 @@ class GradientComm:
         for hook in self.in_play.values():
             if hook is not active:
                 hook.pass_over(bucket)
+        if self._stats is not None and bucket.index() == 0:
+            stats, self._stats = self._stats, None
+            return self._ride(bucket, stats)
         return active.communicate(bucket)
+
+    # -- the stats carried --------------------------------------------------------------
+    def carry(self, vector: torch.Tensor) -> bool:
+        """Send the float32 stats ``vector`` with the first bucket of the next backward, if the exact all-reduce is in
+        use (the same on every rank)."""
+        if not (self.rides_stats and self.mode == EXACT):
+            return False
+        self._stats, self._summed = vector, None
+        return True
+
+    def carried(self) -> Optional[torch.Tensor]:
+        """The carried vector summed over ranks (``None``: no bucket all-reduce ran since :meth:`carry`)."""
+        summed, self._summed, self._stats = self._summed, None, None
+        return summed
+
+    def _ride(self, bucket: dist.GradBucket, stats: torch.Tensor) -> torch.futures.Future[torch.Tensor]:
+        """The exact all-reduce of ``bucket`` with ``stats`` appended: the gradients divided by the world size first,
+        as torch's ``allreduce_hook``; the stats summed."""
+        buffer = bucket.buffer()
+        buffer.div_(self.context.world_size)
+        count = buffer.numel()
+
+        def unpack(future: torch.futures.Future[list[torch.Tensor]]) -> torch.Tensor:
+            summed = future.value()[0]
+            self._summed = summed[count:]
+            buffer.copy_(summed[:count])
+            return buffer
+
+        joined = torch.cat([buffer, stats.to(buffer.device)])
+        return dist.all_reduce(joined, async_op=True).get_future().then(unpack)
 
     def discard_update(self) -> None:
         """The update was dropped (an fp16 overflow): each hook forgets what it left in its state."""

@@ -12,10 +12,17 @@ zeros under the same keys for a rank without data).
 
 Other values every rank sums at each update (the preemption vote) can ride in the
 same vector (:class:`Rider`), which saves them a collective of their own.
+
+The vector itself may ride the gradients' all-reduce (:class:`StatsCarrier`: DDP's first bucket on
+gloo, :mod:`hetfair.parallel.gradient_comm`), in float32. Counts are exact there below 2**24 (each
+rank checks that its own are below ``2**24 / world_size`` and says so in one more slot); the other
+sums (losses, seconds) keep float32's precision. Where a rank's counts are too large, or the
+gradients' all-reduce did not run, every rank sums the float64 vector in a collective of its own.
 """
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -78,6 +85,17 @@ class SyncedStats:
     riders: dict[str, float] = field(default_factory=dict)
 
 
+class StatsCarrier(Protocol):
+    """A gradient all-reduce that can carry the stats vector: no collective of its own for the stats."""
+
+    def carry(self, vector: torch.Tensor) -> bool:
+        """Send float32 ``vector`` with the next gradient all-reduce (the same answer on every rank); False:
+        send it yourself."""
+
+    def carried(self) -> Optional[torch.Tensor]:
+        """The carried vector summed over ranks, once that all-reduce completed (``None``: it did not run)."""
+
+
 class Rider(Protocol):
     """Numbers every rank sums at every update, sent with the update's stats instead of in a collective of their own."""
 
@@ -90,7 +108,12 @@ class Rider(Protocol):
 
 @lru_cache(maxsize=64)
 def _fingerprint(keys: tuple[str, ...]) -> float:
-    return float(zlib.crc32("\0".join(keys).encode()) & 0xFFFFFF)
+    """A number for the key set; below 2**16, so ``world_size`` times it is exact in float32."""
+    return float(zlib.crc32("\0".join(keys).encode()) & 0xFFFF)
+
+
+EXACT_IN_FLOAT32 = 2.0 ** 24
+"""Whole numbers up to this are exact in float32, and so is their sum while it stays below."""
 
 
 def sync_stats(
@@ -102,55 +125,61 @@ def sync_stats(
 
 def start_sync_stats(
     context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float],
-    riders: Optional[Mapping[str, float]] = None,
+    riders: Optional[Mapping[str, float]] = None, carrier: Optional[StatsCarrier] = None,
 ) -> "PendingStats":
     """Start :func:`sync_stats`'s all-reduce without waiting for it (``async_op``); :meth:`PendingStats.wait` ends it.
 
     Work issued in between (a backward pass, DDP's gradient all-reduce) overlaps the
     stats' round trip. Every rank must start it at the same point of its collectives.
     ``riders``: more numbers to sum over ranks (:class:`Rider` values), returned apart from the stats.
+    ``carrier``: the gradient all-reduce of the backward that follows, which may carry the vector.
     """
-    return PendingStats(context, totals, per_rank, dict(riders or {}))
+    return PendingStats(context, totals, per_rank, dict(riders or {}), carrier)
 
 
 class PendingStats:
     """A stats all-reduce in flight; :meth:`wait` returns its :class:`SyncedStats`.
 
     The vector: the summable ``totals``, one slot per rank of each ``per_rank`` value,
-    the ``riders``, the key set's fingerprint and the count of ranks whose totals cannot be summed.
+    the ``riders``, the count of ranks whose counts float32 cannot sum exactly, the key set's
+    fingerprint and the count of ranks whose totals cannot be summed.
     """
 
     def __init__(self, context: DistributedContext, totals: dict[str, Any], per_rank: dict[str, float],
-                 riders: Optional[dict[str, float]] = None) -> None:
+                 riders: Optional[dict[str, float]] = None, carrier: Optional[StatsCarrier] = None) -> None:
         self._context, self._totals, self._per_rank = context, totals, per_rank
         self._riders = riders or {}
+        self._carrier: Optional[StatsCarrier] = None
         if not context.is_distributed:
             return
         world = context.world_size
         self._keys, self._rank_keys, self._rider_keys = sorted(totals), sorted(per_rank), sorted(self._riders)
         summable = all(is_summable(totals[k]) for k in self._keys)
-        size = len(self._keys) + len(self._rank_keys) * world + len(self._rider_keys) + 2
+        size = len(self._keys) + len(self._rank_keys) * world + len(self._rider_keys) + 3
         self._fingerprint = _fingerprint((*self._keys, "|", *self._rank_keys, "|", *self._rider_keys, str(size)))
         local = [0.0] * size
         if summable:
             local[: len(self._keys)] = [float(totals[k]) for k in self._keys]
         for i, key in enumerate(self._rank_keys):
             local[len(self._keys) + i * world + context.rank] = float(per_rank[key])
-        local[size - 2 - len(self._rider_keys): size - 2] = [float(self._riders[k]) for k in self._rider_keys]
+        local[size - 3 - len(self._rider_keys): size - 3] = [float(self._riders[k]) for k in self._rider_keys]
+        local[-3] = 0.0 if _exact_in_float32(local, world) else 1.0
         local[-2] = self._fingerprint
         local[-1] = 0.0 if summable else 1.0
         self._buffer = torch.tensor(local, dtype=torch.float64, device=comm_device(context))
-        self._work = dist.all_reduce(self._buffer, async_op=True)
+        if carrier is not None and carrier.carry(self._buffer.float()):
+            self._carrier = carrier
+        else:
+            self._work = dist.all_reduce(self._buffer, async_op=True)
 
     def wait(self) -> SyncedStats:
         """Wait for the all-reduce (or, when some rank's values cannot be summed, gather them all as JSON)."""
         context, totals, per_rank = self._context, self._totals, self._per_rank
         if not context.is_distributed:
             return SyncedStats(dict(totals), {k: [float(v)] for k, v in per_rank.items()}, dict(self._riders))
-        self._work.wait()
-        values, world, keys = self._buffer.tolist(), context.world_size, self._keys
+        values, world, keys = self._summed(), context.world_size, self._keys
         if values[-1] == 0 and values[-2] == world * self._fingerprint:
-            rider_values = values[len(values) - 2 - len(self._rider_keys): -2]
+            rider_values = values[len(values) - 3 - len(self._rider_keys): -3]
             return SyncedStats(
                 totals=dict(zip(keys, values[: len(keys)])),
                 per_rank={key: values[len(keys) + i * world: len(keys) + (i + 1) * world]
@@ -158,6 +187,24 @@ class PendingStats:
                 riders=dict(zip(self._rider_keys, rider_values)),
             )
         return _gather_json(context, totals, per_rank, self._riders)
+
+    def _summed(self) -> list[float]:
+        """The vector summed over ranks: as carried, or (where it was not, or its counts are not exact in float32 on
+        some rank, or the carrying all-reduce did not run: the same on every rank) by an all-reduce of its own."""
+        if self._carrier is not None:
+            carried = self._carrier.carried()
+            if carried is not None and carried[-3].item() == 0:
+                return carried.tolist()
+            self._work = dist.all_reduce(self._buffer, async_op=True)
+        self._work.wait()
+        return self._buffer.tolist()
+
+
+def _exact_in_float32(values: list[float], world_size: int) -> bool:
+    """Whether float32 sums this rank's whole numbers exactly, whatever the other ranks send: each below
+    ``2**24 / world_size`` (fractions, the logs' sums and the seconds, keep float32's precision)."""
+    limit = EXACT_IN_FLOAT32 / world_size
+    return all(abs(value) < limit for value in values if math.isfinite(value) and value == int(value))
 
 
 def _plain(value: Any) -> Any:
