@@ -7,8 +7,9 @@ keeps their mix, on the lab's 10 GbE network (50 us). Two models, each built fro
 
 - ``bert_base`` (the BERT family, masked LM without NSP, 30,522-token vocabulary), samples of 128 tokens;
 - ``gpt2_small`` (the language-modelling family, GPT-2's 50,257-token vocabulary), samples of 512 tokens
-  (half GPT-2's context, which keeps the CPU measurement to a few seconds; the FLOPs per token differ from
-  1,024 tokens' only by the attention's share).
+  (half GPT-2's context; the FLOPs per token differ from 1,024 tokens' only by the attention's share),
+  counted on the meta device: the same FLOPs and activations as on the CPU, without computing them (BERT's
+  masked LM picks its masked positions by their values, which the meta device does not have).
 
 The global batch is 32 samples per device (256 on 8 nodes of the mix, whose 8 nodes hold 22 devices: 704).
 For each size: the fastest mode :func:`hetfair.plan.cluster_plan.predict_all` finds (lossy ones included),
@@ -92,11 +93,13 @@ def bert_base_cost() -> ModelCost:
 def gpt2_small_cost() -> ModelCost:
     """``gpt2_small`` on 512-token samples (next-token loss on every position)."""
     task = SimpleNamespace(vocab_size=GPT_VOCAB, max_positions=lambda: GPT_TOKENS, pad_index=1)
-    model = _build("gpt2_small", task)
+    with torch.device("meta"):
+        model = _build("gpt2_small", task)
     criterion = CRITERION_REGISTRY.get("lm_cross_entropy")(task)
 
     def batch_of(n: int) -> dict[str, Any]:
-        tokens = torch.randint(5, GPT_VOCAB, (n, GPT_TOKENS + 1))
+        # made on the meta device: its input and target share one storage, as on the CPU
+        tokens = torch.randint(5, GPT_VOCAB, (n, GPT_TOKENS + 1), device="meta")
         return {"net_input": {"src_tokens": tokens[:, :-1]}, "target": tokens[:, 1:], "nsentences": n,
                 "ntokens": n * GPT_TOKENS}
 

@@ -51,6 +51,25 @@ def test_the_model_cost_is_counted_as_by_hand() -> None:
     assert all(p.grad is None for p in model.parameters())
 
 
+class LoggedSquaredOutput(SquaredOutput):
+    """:class:`SquaredOutput` that logs its loss's value, as hetfair's criteria do."""
+
+    def forward(self, model: nn.Module, batch: dict) -> tuple[torch.Tensor, int, dict]:
+        loss, size, _logs = super().forward(model, batch)
+        return loss, size, {"loss": float(loss.detach())}
+
+
+def test_on_the_meta_device_the_model_cost_is_counted_as_by_hand_without_values() -> None:
+    """The same counts on the meta device, where every storage's address is 0 and a logged loss has no value
+    (what benchmarks/project_cluster.py counts gpt2_small on)."""
+    with torch.device("meta"):
+        model = nn.Sequential(nn.Linear(10, 20), nn.ReLU(), nn.Linear(20, 5))
+    cost = measure_model_cost(model, LoggedSquaredOutput(), lambda n: {"x": torch.randn(n, 10)}, [model[0]],
+                              lambda params: torch.optim.Adam(params))
+    assert (cost.parameters, cost.flops_per_sample, cost.activation_bytes) == (325, 1400.0, 140)
+    assert all(p.grad is None for p in model.parameters())
+
+
 MODEL = ModelCost(parameters=25_000_000, flops_per_sample=6 * 25e6 * 128, activation_bytes=20_000_000,
                   optimizer_ratio=2.0, units=8, largest_unit_bytes=12_000_000)
 

@@ -4,18 +4,21 @@ Measured once on the real model and criterion (:func:`measure_model_cost`): torc
 ``FlopCounterMode`` counts the FLOPs of a forward and backward, and a
 ``saved_tensors_hooks`` pair counts the bytes the forward saves for the backward (each storage
 once, the parameters left out), each on a batch of one and of two samples, so that what does
-not grow with the batch cancels out. The state sizes are the automatic plan's
-(:class:`~hetfair.plan.state.StateSizes`); each comm hook the plan weighs
+not grow with the batch cancels out. A model on the meta device is counted without computing
+anything (the same FLOPs and bytes; the criterion's logs read its values as 0). The state sizes
+are the automatic plan's (:class:`~hetfair.plan.state.StateSizes`); each comm hook the plan weighs
 (:attr:`~hetfair.parallel.comm_hook.CommHook.plan_settings`) says what it sends of these gradients.
 """
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from dataclasses import replace
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, ContextManager, Sequence
 
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode
 
 from hetfair.parallel.comm_hook import AUTO, hook_options, hooks_in_play
@@ -63,23 +66,38 @@ def hook_variants(params: Sequence[nn.Parameter]) -> tuple[HookVariant, ...]:
 
 def _counted_step(model: nn.Module, criterion: nn.Module, batch: dict[str, Any]) -> tuple[float, int]:
     """The FLOPs of one forward and backward on ``batch``, and the bytes its forward saved for the backward."""
-    parameters = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved: dict[int, int] = {}
+    # storages by identity (the meta device's all have address 0), held so that no id is reused meanwhile
+    parameters = {p.untyped_storage() for p in model.parameters()}
+    saved: dict[torch.UntypedStorage, int] = {}
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
-        if storage.data_ptr() not in parameters:
-            saved[storage.data_ptr()] = storage.nbytes()
+        if storage not in parameters:
+            saved[storage] = storage.nbytes()
         return tensor
 
     counter = FlopCounterMode(display=False)
     device = next(model.parameters()).device
     batch = move_to_device(batch, device)
     try:
-        with untouched(model, device), counter:
+        with untouched(model, device), counter, _values_read_as_zero(device):
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 loss, _size, _logs = criterion(model, batch)
             loss.backward()
     finally:
         model.zero_grad(set_to_none=True)
     return float(counter.get_total_flops()), sum(saved.values())
+
+
+def _values_read_as_zero(device: torch.device) -> ContextManager[Any]:
+    """On the meta device, a tensor's value read as a number (``float(loss)`` in a criterion's logs) is 0."""
+    return _MetaValuesAreZero() if device.type == "meta" else nullcontext()
+
+
+class _MetaValuesAreZero(TorchDispatchMode):
+    """Answers ``aten._local_scalar_dense`` (``item()``, ``float()``) on a meta tensor with 0."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        if func is torch.ops.aten._local_scalar_dense.default and args[0].is_meta:
+            return 0
+        return func(*args, **(kwargs or {}))
