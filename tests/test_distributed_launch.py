@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from helpers import TOY_PLUGIN, final_parameters, free_port, run_nodes, start, subprocess_env, train_command
+from forked_cli import start_forked
+from helpers import TOY_PLUGIN, final_parameters, free_port, run_nodes, start, subprocess_env
 from hetfair_cli.train import main as train_main
 from toy_reference import assert_same, reference_parameters, toy_train_args
 
@@ -53,14 +54,13 @@ def test_torchrun_environment(tmp_path):
 
 
 def run_slurm_tasks(tmp_path: Path, tasks: list[tuple[dict[str, str], str]]) -> Path:
-    """Start the toy job once per ``(SLURM variables, --max-sentences)`` as srun would, one epoch; its save dir."""
+    """Start the toy job once per ``(SLURM variables, --max-sentences)`` as srun would (each a forked command
+    with its own environment), one epoch; its save dir."""
     save_dir = tmp_path / "ckpt"
     port = free_port()
-    procs = []
-    for slurm_env, batch in tasks:
-        args = toy_train_args(save_dir, 1) + ["--max-sentences", batch, "--distributed-port", str(port)]
-        procs.append(subprocess.Popen(train_command(*args), cwd=tmp_path, env={**subprocess_env(), **slurm_env},
-                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    procs = [start_forked(toy_train_args(save_dir, 1) + ["--max-sentences", batch, "--distributed-port", str(port)],
+                          tmp_path, {**subprocess_env(), **slurm_env})
+             for slurm_env, batch in tasks]
     for proc in procs:
         _, err = proc.communicate(timeout=180)
         assert proc.returncode == 0, err

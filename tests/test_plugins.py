@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from forked_cli import run_forked
 from hetfair import errors
 from hetfair.options import parse_train_args
 from hetfair.plugins import import_user_dir
@@ -50,17 +51,30 @@ def write_distribution(root: Path, dist: str, entry_points: dict[str, dict[str, 
     return root
 
 
-def run_train(*argv: str, pythonpath: Path | None = None, env: dict[str, str] | None = None,
-              cwd: Path) -> subprocess.CompletedProcess:
-    """Run the installed ``hetfair-train`` console script."""
-    script = Path(sys.executable).with_name("hetfair-train")
-    command = [str(script)] if script.exists() else [sys.executable, "-m", "hetfair_cli.train"]
+def command_env(pythonpath: Path | None, env: dict[str, str] | None) -> dict[str, str]:
+    """This process's environment with ``env``, ``pythonpath`` first on ``PYTHONPATH``, and no ``HETFAIR_DEBUG``."""
     full_env = {**os.environ, **(env or {})}
     full_env.pop("HETFAIR_DEBUG", None)
     if pythonpath is not None:
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), full_env.get("PYTHONPATH")]))
-    return subprocess.run(command + list(argv), check=False, capture_output=True, text=True, env=full_env,
-                          cwd=cwd, timeout=120)
+    return full_env
+
+
+def run_script(*argv: str, pythonpath: Path | None = None, env: dict[str, str] | None = None,
+               cwd: Path) -> subprocess.CompletedProcess:
+    """Run the installed ``hetfair-train`` console script (a fresh interpreter)."""
+    script = Path(sys.executable).with_name("hetfair-train")
+    command = [str(script)] if script.exists() else [sys.executable, "-m", "hetfair_cli.train"]
+    return subprocess.run(command + list(argv), check=False, capture_output=True, text=True,
+                          env=command_env(pythonpath, env), cwd=cwd, timeout=120)
+
+
+def run_train(*argv: str, pythonpath: Path | None = None, env: dict[str, str] | None = None,
+              cwd: Path) -> subprocess.CompletedProcess:
+    """Run ``hetfair-train``'s main as a process of its own forked from the tests' pre-imported interpreter
+    (:mod:`forked_cli`: ``PYTHONPATH`` goes first on its ``sys.path``), without a torch import per command."""
+    [result] = run_forked([list(argv)], cwd, command_env(pythonpath, env), timeout=120)
+    return result
 
 
 def assert_one_error_line(result: subprocess.CompletedProcess) -> str:
@@ -161,18 +175,21 @@ def _bad_name(tmp_path: Path) -> tuple[Path, str]:
     return write_package(tmp_path, "my-plugins", "\n"), "not a valid Python package name"
 
 
-@pytest.mark.parametrize("make", [_missing, _no_init, _raising, _clashing, _shadows_installed, _bad_name],
+# "raises" runs the installed script: a fresh interpreter turns the plugin's exception into one line too
+@pytest.mark.parametrize("make,run", [(_missing, run_train), (_no_init, run_train), (_raising, run_script),
+                                      (_clashing, run_train), (_shadows_installed, run_train),
+                                      (_bad_name, run_train)],
                          ids=["missing", "no-init", "raises", "clashes-with-json", "shadows-installed", "bad-name"])
-def test_bad_user_dir_is_one_error_line(tmp_path, make):
+def test_bad_user_dir_is_one_error_line(tmp_path, make, run):
     package, expected = make(tmp_path)
-    line = assert_one_error_line(run_train("--user-dir", str(package), "--list-plugins", cwd=tmp_path))
+    line = assert_one_error_line(run("--user-dir", str(package), "--list-plugins", cwd=tmp_path))
     assert "--user-dir" in line
     assert expected in line
 
 
 def test_debug_flag_shows_the_traceback(tmp_path):
     package, _ = _raising(tmp_path)
-    result = run_train("--user-dir", str(package), "--list-plugins", "--debug", cwd=tmp_path)
+    result = run_script("--user-dir", str(package), "--list-plugins", "--debug", cwd=tmp_path)
     assert result.returncode != 0
     assert "Traceback" in result.stderr
     assert "ValueError: bad plugin setting" in result.stderr
@@ -398,8 +415,9 @@ def test_broken_plugin_fails_only_when_chosen_with_one_line(installed_plugins, t
 
 def test_chosen_plugins_load_and_others_stay_unimported(installed_plugins, tmp_path):
     site, env = installed_plugins
-    result = run_train("--task", "cli_ep_task", "--criterion", "cli_ep_crit", "--help",
-                       pythonpath=site, env=env, cwd=tmp_path)
+    # the installed script: a fresh interpreter with the plugins on PYTHONPATH from its start imports none early
+    result = run_script("--task", "cli_ep_task", "--criterion", "cli_ep_crit", "--help",
+                        pythonpath=site, env=env, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     for flag in ("--cli-ep-task-flag", "--cli-ep-model-flag", "--cli-ep-crit-flag"):
         assert flag in result.stdout
