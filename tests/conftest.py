@@ -12,13 +12,13 @@ from netns import Network, unavailable  # noqa: E402
 # error, a signal answered in time): `make test` runs them after the rest, in two groups side by side on
 # two pytest-xdist workers (`--dist loadgroup`), each group's files one after another. Each of these files
 # keeps about one core busy (measured: 0.8-1.3), so two at a time fill a 2-core machine without the
-# oversubscription a worker of the first pass would add. The groups take about equal time (293 s and
-# 287 s of their files' time, side by side).
+# oversubscription a worker of the first pass would add. The groups take about equal time (131 s and
+# 145 s of their files' time alone, quiet).
 SERIAL_GROUPS = {
     **dict.fromkeys(["test_live_recovery.py", "test_live_security.py", "test_third_host.py", "test_preemption.py",
-                     "test_teardown.py", "test_cluster_model_netns.py"], "serial-1"),
-    **dict.fromkeys(["test_signals_and_hangs.py", "test_rendezvous_security.py", "test_elastic_torchrun.py"],
-                    "serial-2"),
+                     "test_teardown.py"], "serial-1"),
+    **dict.fromkeys(["test_signals_and_hangs.py", "test_rendezvous_security.py", "test_elastic_torchrun.py",
+                     "test_cluster_model_netns.py"], "serial-2"),
 }
 
 
